@@ -1,0 +1,67 @@
+"""Environment report, seeding and source display. (Chapter 00.)"""
+from __future__ import annotations
+
+import inspect
+import os
+import platform
+import random
+
+import torch
+
+from .optional import available
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def env_report(verbose: bool = True) -> dict:
+    """Versions, cores and which backends exist here (gloo, NCCL, CUDA, DeepSpeed, fastmoe)."""
+    import torch.distributed as dist
+
+    from .presets import preset_name
+
+    cuda = torch.cuda.is_available()
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": _version("deepspeed"),
+        "fastmoe (fmoe)": "importable" if available("fmoe") else "not importable (needs CUDA; see README)",
+        "matplotlib": _version("matplotlib"),
+        "cloudpickle": _version("cloudpickle"),
+        "cpu cores (usable)": len(os.sched_getaffinity(0)),
+        "torch threads": torch.get_num_threads(),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "cuda": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if cuda else "no",
+        "preset": preset_name(),
+    }
+    if verbose:
+        width = max(map(len, info))
+        for k, v in info.items():
+            print(f"{k:<{width}}  {v}")
+    return info
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy (if present) and torch."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def show_source(obj) -> None:
+    """Print the package's own source of ``obj``: chapters show the code they teach, never a copy."""
+    path = inspect.getsourcefile(obj) or "?"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"# {os.path.relpath(path, root)}\n{inspect.getsource(obj).rstrip()}")
