@@ -14,7 +14,6 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     # chapter 00: foundation
-    "launch": "launch", "WorkerError": "launch", "worker_info": "launch",
     "select_preset": "presets", "preset_name": "presets",
     "cmp": "compare", "check": "compare", "assert_close": "compare",
     "compare_tensors": "compare", "compare_models": "compare", "ParityReport": "compare",
@@ -23,9 +22,14 @@ _EXPORTS = {
     "env_report": "envreport", "show_source": "envreport",
     "check_exercise": "exercises",
     "seed_everything": "envreport",
+    "GroupedDataParallel": "parallel", "allreduce_grouped_grads": "parallel", "mark_expert_params": "parallel",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# The launcher is imported eagerly: its module is also called `launch`, and importing the submodule
+# would otherwise shadow the function on the package.
+from .launch import WorkerError, launch, worker_info  # noqa: E402
+
+__all__ = sorted(_EXPORTS) + ["__version__", "WorkerError", "launch", "worker_info"]
 
 
 def __getattr__(name):

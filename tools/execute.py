@@ -52,7 +52,7 @@ def main() -> int:
     paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) if args.all else args.notebooks
     if not paths:
         ap.error("no notebooks given")
-    os.environ.setdefault("MPLBACKEND", "agg")
+    os.environ.pop("MPLBACKEND", None)  # kernels must use the inline backend so figures are recorded
     failed, total = [], time.perf_counter()
     print(f"preset: {os.environ.get('LAB_PRESET') or 'tiny'}", flush=True)
     for path in paths:
