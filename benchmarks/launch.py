@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from launch_workers import first_all_reduce, spawn_main  # noqa: E402
 
 from labutils import launch  # noqa: E402
-from launch_workers import first_all_reduce, spawn_main  # noqa: E402
 
 
 def free_port() -> int:

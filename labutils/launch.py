@@ -25,6 +25,7 @@ The same function runs unchanged under torchrun through ``python -m labutils.ent
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import queue
 import shutil
@@ -35,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import linecache
 
 import cloudpickle
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from launch_helpers import new_tag, tagged_pids, wait_gone
 
 from labutils import WorkerError, launch
-from launch_helpers import new_tag, tagged_pids, wait_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
