@@ -1,0 +1,182 @@
+"""Expert parallelism: move each token to the rank that holds its expert and back. (Taught in chapter 06.)
+
+FastMoE's recipe, in plain PyTorch collectives (gloo on CPU, NCCL on GPUs):
+
+    agree        one small all_gather: every rank is in the same layer, call, num_expert and d_model
+    counts       all_to_all of per-expert counts -> ``global_expert_count`` (what I will receive)
+    dispatch     all_to_all of exactly the routed rows (no capacity padding)
+    local order  received rows are (source rank, local expert); make each local expert contiguous
+    experts      ``layer.run_experts(x, counts_per_local_expert)``
+    undo         inverse of the local order
+    return       all_to_all back (the split sizes swap roles)
+
+Global expert ``g`` lives on rank ``g // num_expert`` as local expert ``g % num_expert``. Everything after the
+counts is differentiable (``labutils.dist.all_to_all``'s backward is the reverse all-to-all).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..dist import _require_pg, all_gather_same_dim, all_to_all
+
+__all__ = ["exchange_and_run", "exchange_counts", "local_order", "check_agreement", "assign_layer_ids",
+           "layer_id", "ExpertParallelMismatch", "shard_state"]
+
+_MAGIC = 0x6D6F65  # "moe": tells our agreement gather apart from a stray all_gather of the same shape
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+_FIELDS = ["check tag", "world size", "num_expert", "d_model", "layer id", "call number of this layer",
+           "dtype", "grad enabled", "counts length"]
+
+
+class ExpertParallelMismatch(RuntimeError):
+    """Ranks disagree about the expert-parallel layer they are running (raised on every rank)."""
+
+
+# ---- which layer is this? ------------------------------------------------------------------------
+_first_call_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_next_id = itertools.count(1_000_000)  # ids given at first call, kept apart from assign_layer_ids' ids
+_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def assign_layer_ids(model: torch.nn.Module) -> int:
+    """Number every expert-parallel layer of ``model`` in ``named_modules`` order (``layer.layer_id``).
+
+    The same model code gives the same ids on every rank, whatever order the layers are called in, so a
+    rank that skips a layer is caught at the next one. Without it a layer gets an id at its first call.
+    Returns how many layers were numbered.
+    """
+    n = 0
+    for _, module in model.named_modules():
+        if hasattr(module, "run_experts"):
+            module.layer_id = n
+            n += 1
+    return n
+
+
+def layer_id(layer) -> int:
+    """``layer.layer_id`` if set (see :func:`assign_layer_ids`), else an id given at the layer's first call."""
+    lid = getattr(layer, "layer_id", None)
+    if lid is not None:
+        return int(lid)
+    if layer not in _first_call_ids:
+        _first_call_ids[layer] = next(_next_id)
+    return _first_call_ids[layer]
+
+
+def _next_call(layer) -> int:
+    n = _calls.get(layer, 0)
+    _calls[layer] = n + 1
+    return n
+
+
+# ---- agree -----------------------------------------------------------------------------------------
+def _fingerprint(layer, x_sorted, local_expert_count, world: int) -> torch.Tensor:
+    dtype = _DTYPES.index(x_sorted.dtype) if x_sorted.dtype in _DTYPES else -1
+    values = [_MAGIC, world, int(layer.num_expert), int(x_sorted.shape[-1]), layer_id(layer), _next_call(layer),
+              dtype, int(torch.is_grad_enabled()), int(local_expert_count.numel())]
+    return torch.tensor(values, dtype=torch.long, device=x_sorted.device)
+
+
+def check_agreement(layer, x_sorted, local_expert_count, group=None) -> None:
+    """One small all_gather of (world size, num_expert, d_model, layer id, call number, dtype, grad mode).
+
+    Raises :class:`ExpertParallelMismatch` on EVERY rank (each sees every fingerprint) when they differ,
+    naming the field and each rank's value, so the exchange never starts with mismatched shapes.
+    """
+    world = dist.get_world_size(group)
+    mine = _fingerprint(layer, x_sorted, local_expert_count, world)
+    rows = torch.stack(all_gather_same_dim(mine, group)).cpu()                # (W, fields)
+    bad = [i for i in range(rows.shape[1]) if not bool((rows[:, i] == rows[0, i]).all())]
+    if bad:
+        lines = [f"  {_FIELDS[i]}: " + ", ".join(f"rank {r}={int(v)}" for r, v in enumerate(rows[:, i]))
+                 for i in bad]
+        hint = ""
+        if 4 in bad or 5 in bad:
+            hint = "\n(a rank skipped or repeated an MoE layer: every rank must call every layer, even with 0 tokens)"
+        if 0 in bad:
+            hint = "\n(a rank is in a different collective: it skipped the MoE layer or called something else)"
+        raise ExpertParallelMismatch("expert-parallel ranks disagree before the all-to-all "
+                                     f"(rank {dist.get_rank(group)} speaking):\n" + "\n".join(lines) + hint)
+
+
+# ---- counts and local order --------------------------------------------------------------------------
+def exchange_counts(local_expert_count: torch.Tensor, world: int, group=None) -> torch.Tensor:
+    """fastmoe's ``global_expert_count``: ``(world*num_expert,)``, entry ``s*num_expert + e`` = rows rank ``s``
+    sends to my local expert ``e``. One all_to_all of ``num_expert`` counts per rank pair."""
+    send = local_expert_count.to(torch.long).contiguous()                     # (W*E,) by destination rank
+    recv = torch.empty_like(send)                                             # (W*E,) by source rank
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def local_order(global_expert_count: torch.Tensor, num_expert: int) -> torch.Tensor:
+    """Permutation that turns received rows, ordered (source rank, local expert), into (local expert, source
+    rank): ``x_local = x_recv[perm]``. Stable, so each source's rows keep their order."""
+    counts = global_expert_count.to(torch.long).cpu()                         # (W*E,) blocks in received order
+    block = torch.repeat_interleave(torch.arange(counts.numel()), counts)     # (N_recv,) block of each row
+    src, expert = torch.div(block, num_expert, rounding_mode="floor"), block % num_expert
+    world = counts.numel() // num_expert
+    return torch.argsort(expert * world + src, stable=True).to(global_expert_count.device)
+
+
+# ---- the exchange ------------------------------------------------------------------------------------
+def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Tensor, *, check: bool = True):
+    """Run ``x_sorted`` (rows sorted by GLOBAL expert) through the experts on their ranks: ``(N, d) -> (N, d)``.
+
+    ``local_expert_count``: ``(world_size*num_expert,)`` rows this rank routes to each global expert.
+    Every rank of ``layer.moe_group`` must call this for the same layer in the same order (0 rows is fine).
+    ``check=False`` skips the agreement all_gather (one tiny collective per call).
+    """
+    group = getattr(layer, "moe_group", None)
+    _require_pg(group)
+    world, ne = dist.get_world_size(group), int(layer.num_expert)
+    if check:
+        check_agreement(layer, x_sorted, local_expert_count, group)
+    if local_expert_count.numel() != world * ne or int(local_expert_count.sum()) != x_sorted.shape[0]:
+        raise ValueError(f"local_expert_count must have world_size*num_expert={world * ne} entries summing to "
+                         f"the {x_sorted.shape[0]} rows of x_sorted; got {local_expert_count.tolist()}")
+    global_expert_count = exchange_counts(local_expert_count, world, group)   # (W*E,)
+    send = local_expert_count.view(world, ne).sum(1).tolist()                 # rows to each rank
+    recv = global_expert_count.view(world, ne).sum(1).tolist()                # rows from each rank
+    x_recv = all_to_all(x_sorted, recv, send, group)                          # (N_recv, d) by (src, expert)
+    perm = local_order(global_expert_count, ne)                               # (N_recv,)
+    fwd_expert_count = global_expert_count.view(world, ne).sum(0)             # (E,) rows per local expert
+    y_local = layer.run_experts(x_recv.index_select(0, perm), fwd_expert_count)  # (N_recv, d) by expert
+    y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
+    _record(layer, send, recv, x_sorted)
+    return all_to_all(y_recv, send, recv, group)                              # (N, d) in x_sorted's order
+
+
+def _record(layer, send, recv, x) -> None:
+    from .. import comm  # traffic accounting for chapter 06 (no-op unless a recorder is active)
+
+    comm.record(layer_id(layer), send, recv, x.shape[-1] * x.element_size())
+
+
+# ---- from one process to W: the parity checks' helper -------------------------------------------------
+def shard_state(full_state: dict, rank: int, num_expert: int) -> dict:
+    """Rank ``rank``'s share of a single-process layer's ``state_dict`` (or any name -> tensor dict, e.g.
+    gradients): experts ``rank*num_expert .. (rank+1)*num_expert-1``, everything else (the gate) as is.
+
+    Fused experts (``experts.htoh4.weight`` of shape ``(E, ...)``) are sliced along dim 0; a ModuleList
+    (``experts.<i>.<name>``) is renumbered. Load the result into the ``world_size=W`` layer.
+    """
+    lo, hi = rank * num_expert, (rank + 1) * num_expert
+    out = {}
+    for name, t in full_state.items():
+        parts = name.split(".")
+        if "experts" not in parts:
+            out[name] = t
+            continue
+        at = parts.index("experts")
+        if at + 1 < len(parts) and parts[at + 1].isdigit():                  # ModuleList: experts.<i>.*
+            i = int(parts[at + 1])
+            if lo <= i < hi:
+                out[".".join(parts[:at + 1] + [str(i - lo)] + parts[at + 2:])] = t
+        else:                                                                 # fused: (E, ...) tensors
+            out[name] = t[lo:hi]
+    return out

@@ -1,0 +1,262 @@
+"""Expert parallelism (labutils.moe.parallel): W workers with E/W experts each == one process with E experts.
+
+Also: traffic accounting (labutils.comm) and what happens when ranks disagree (clear error, never a hang).
+"""
+import pytest
+import torch
+
+from labutils.launch import WorkerError, launch
+
+D, H = 6, 8
+
+
+def _build(kind, num_expert, world_size):
+    """Two stacked MoE layers, so backward crosses two exchanges in reverse order."""
+    from torch import nn
+
+    from labutils.moe import FMoE, FMoETransformerMLP
+
+    def layer():
+        if kind == "fused":
+            return FMoETransformerMLP(num_expert, D, H, top_k=2, world_size=world_size)
+        return FMoE(num_expert, D, world_size=world_size, top_k=2, expert=lambda d: nn.Linear(d, d))
+    return nn.Sequential(layer(), layer())
+
+
+def _parity(kind, num_expert, batches):
+    """Every rank: the sharded model on its own batch vs the full model on the global batch."""
+    import torch
+    import torch.distributed as dist
+
+    from labutils.comm import record_traffic
+    from labutils.moe.parallel import shard_state
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = _build(kind, num_expert * world, 1)
+    x_all = torch.randn(sum(batches), D, requires_grad=True)
+    y_full = full(x_all)
+    (y_full ** 2).sum().backward()                       # the loss of the global batch
+
+    part = _build(kind, num_expert, world)
+    part.load_state_dict(shard_state(full.state_dict(), rank, num_expert))
+    lo, hi = sum(batches[:rank]), sum(batches[:rank + 1])
+    x = x_all.detach()[lo:hi].clone().requires_grad_()
+    with record_traffic() as log:
+        y = part(x)
+    (y ** 2).sum().backward()                            # my share of it; ranks' losses sum to the global one
+    grads = {n: p.grad for n, p in part.named_parameters()}
+    for n, p in part.named_parameters():
+        if "experts" not in n:                           # the gate is replicated: sum its gradient over ranks
+            dist.all_reduce(grads[n])
+    want = shard_state({n: p.grad for n, p in full.named_parameters()}, rank, num_expert)
+    diffs = {"output": (y - y_full[lo:hi]).abs().max().item(),
+             "input grad": (x.grad - x_all.grad[lo:hi]).abs().max().item()}
+    diffs.update({n: (grads[n] - want[n]).abs().max().item() for n in want})
+
+    dest = torch.div(full[0].gate(x_all[lo:hi])[0], num_expert, rounding_mode="floor")  # (T, k) rank of each choice
+    expected_rows = torch.bincount(dest.reshape(-1), minlength=world).tolist()
+    return diffs, [c["send_rows"] for c in log.calls], expected_rows, log.sent_bytes(rank)
+
+
+@pytest.mark.parametrize("world,kind,num_expert,batches", [
+    (2, "fused", 2, [5, 3]),
+    (2, "list", 1, [4, 6]),
+    (4, "fused", 1, [5, 1, 7, 3]),
+])
+def test_expert_parallel_equals_one_process(world, kind, num_expert, batches):
+    # 4 ranks under DETAIL: PyTorch's cross-rank collective checks accept the uneven all-to-alls
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if world == 4 else None
+    results = launch(_parity, world, kind, num_expert, batches, timeout=90, env=env)
+    for rank, (diffs, sent, expected_rows, sent_bytes) in enumerate(results):
+        bad = {k: v for k, v in diffs.items() if not v <= 1e-5}
+        assert not bad, f"rank {rank}: sharded experts differ from one process by more than 1e-5: {bad}"
+        assert len(diffs) == 2 + 2 * (4 if kind == "fused" else 2) + 4, sorted(diffs)  # every parameter compared
+        # the first layer's exchange sent exactly the rows its gate routed to each rank: no padding
+        assert sent[0] == expected_rows, f"rank {rank}: sent {sent[0]}, routing says {expected_rows}"
+        assert sent_bytes == sum(sum(s) - s[rank] for s in sent) * D * 4
+
+
+def _zero_rows():
+    """A rank with no tokens still takes part; its experts serve the others. Direct exchange_and_run call."""
+    import torch
+    import torch.distributed as dist
+
+    from labutils.moe import FMoETransformerMLP
+    from labutils.moe.parallel import exchange_and_run, shard_state
+
+    rank, world, ne = dist.get_rank(), dist.get_world_size(), 2
+    torch.manual_seed(1)
+    full = FMoETransformerMLP(ne * world, D, H)
+    part = FMoETransformerMLP(ne, D, H, world_size=world)
+    part.load_state_dict(shard_state(full.state_dict(), rank, ne))
+    counts = torch.tensor([[2, 0, 1, 3], [0, 0, 0, 0]][rank])          # rank 1 routes nothing
+    x = torch.randn(int(counts.sum()), D, requires_grad=True)
+    y = exchange_and_run(part, x, counts)
+    y.pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = full.run_experts(x_ref, counts)                            # full layer: global ids are local ids
+    y_ref.pow(2).sum().backward()
+    return (tuple(y.shape), (y - y_ref).abs().max().item() if y.numel() else 0.0,
+            (x.grad - x_ref.grad).abs().max().item() if x.numel() else 0.0,
+            part.experts.htoh4.weight.grad, full.experts.htoh4.weight.grad)
+
+
+def test_rank_with_zero_tokens():
+    results = launch(_zero_rows, 2, timeout=60)
+    assert results[1][0] == (0, D)
+    for shape, dy, dgrad, _, _ in results:
+        assert dy <= 1e-6 and dgrad <= 1e-6, (dy, dgrad)
+    # expert gradients: each rank's experts get the gradient of every rank's rows routed to them
+    total = sum(r[4] for r in results)                                # (4, H, D) full-layer gradient, summed
+    for rank, (_, _, _, g_part, _) in enumerate(results):
+        torch.testing.assert_close(g_part, total[2 * rank: 2 * rank + 2], atol=1e-6, rtol=1e-5)
+    assert results[1][3].abs().sum() > 0, "rank 1 routed nothing but its experts served rank 0"
+
+
+# ---- ranks that disagree ------------------------------------------------------------------------------
+def _disagree(case):
+    import torch
+    import torch.distributed as dist
+
+    from labutils.moe import FMoETransformerMLP
+    from labutils.moe.parallel import assign_layer_ids
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ne = 2 if case == "num_expert" and rank == 1 else 1
+    d = D + 2 if case == "d_model" and rank == 1 else D
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(FMoETransformerMLP(ne, d, H, world_size=world, top_k=1),
+                                FMoETransformerMLP(ne, d, H, world_size=world, top_k=1))
+    assign_layer_ids(model)
+    x = torch.randn(4, d)
+    if rank == 1 and case == "skip_layer":
+        return model[1](x)                       # skips layer 0, goes straight to layer 1
+    if rank == 1 and case.startswith("skip_then_all_reduce"):
+        dist.all_reduce(torch.ones(1))           # skips the MoE block, calls another collective
+        return None
+    return model(x).sum().backward()
+
+
+CASES = {"num_expert": "num_expert: rank 0=1, rank 1=2", "d_model": f"d_model: rank 0={D}, rank 1={D + 2}",
+         "skip_layer": "layer id: rank 0=0, rank 1=1"}
+
+
+def _disagree_each():
+    """Each case raises on every rank BEFORE any data moves, so the ranks can catch it and go on."""
+    from labutils.moe.parallel import ExpertParallelMismatch
+
+    seen = {}
+    for case in CASES:
+        try:
+            _disagree(case)
+            seen[case] = "no error"
+        except ExpertParallelMismatch as exc:
+            seen[case] = str(exc)
+    return seen
+
+
+def test_disagreeing_ranks_raise_on_every_rank():
+    for rank, seen in enumerate(launch(_disagree_each, 2, timeout=60)):
+        for case, field in CASES.items():
+            assert field in seen[case], f"rank {rank}, {case}: {seen[case]}"
+
+
+def test_disagreement_fails_the_launch():
+    with pytest.raises(WorkerError) as info:
+        launch(_disagree, 2, "num_expert", timeout=30)
+    msg = str(info.value)
+    assert "ExpertParallelMismatch" in msg and CASES["num_expert"] in msg, msg
+    assert "then: rank" in msg and msg.count("ExpertParallelMismatch") >= 2, "both ranks must raise: " + msg
+
+
+def test_skipped_layer_then_other_collective_detail_mode_names_both():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective's kind and shape across ranks first."""
+    with pytest.raises(WorkerError) as info:
+        launch(_disagree, 2, "skip_then_all_reduce", timeout=30, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    msg = str(info.value)
+    assert "Detected mismatch between collectives" in msg, msg
+    assert "OpType=ALLGATHER" in msg and "OpType=ALLREDUCE" in msg, msg
+
+
+def test_skipped_layer_then_other_collective_without_detail_times_out_with_stacks():
+    """Without DETAIL, gloo waits forever on mismatched collectives: the launcher timeout turns it into an error
+    whose stacks show rank 0 in the agreement check."""
+    with pytest.raises(WorkerError) as info:
+        launch(_disagree, 2, "skip_then_all_reduce_plain", timeout=6)
+    err = info.value
+    assert "timed out" in str(err)
+    assert "check_agreement" in err.stacks.get(0, ""), err.stacks
+
+
+# ---- pure helpers ------------------------------------------------------------------------------------
+def test_local_order_makes_each_local_expert_contiguous():
+    from labutils.moe.parallel import local_order
+
+    global_expert_count = torch.tensor([2, 1, 0, 3, 1, 1])             # 3 source ranks x 2 local experts
+    tags = [(src, e) for src in range(3) for e in range(2) for _ in range(int(global_expert_count[src * 2 + e]))]
+    perm = local_order(global_expert_count, num_expert=2)
+    reordered = [tags[i] for i in perm.tolist()]
+    assert reordered == sorted(tags, key=lambda t: (t[1], t[0]))       # by expert, then source, stable
+
+
+def test_shard_state_slices_fused_and_renumbers_lists():
+    from labutils.moe.parallel import shard_state
+
+    state = {"gate.gate.weight": torch.ones(4, 3), "experts.htoh4.weight": torch.arange(4.).view(4, 1),
+             "experts.2.weight": torch.full((1,), 2.0), "experts.3.weight": torch.full((1,), 3.0),
+             "experts.0.weight": torch.zeros(1)}
+    got = shard_state(state, rank=1, num_expert=2)
+    assert got["experts.htoh4.weight"].view(-1).tolist() == [2.0, 3.0]
+    assert got["experts.0.weight"].item() == 2.0 and got["experts.1.weight"].item() == 3.0
+    assert "experts.2.weight" not in got and got["gate.gate.weight"] is state["gate.gate.weight"]
+
+
+def test_comm_accounting():
+    from labutils import comm
+
+    counts = torch.tensor([[3, 1, 0, 2], [0, 0, 5, 1]])                # 2 ranks x (2 ranks * 2 experts)
+    m = comm.token_matrix(counts, num_expert=2)
+    assert m.tolist() == [[4, 2], [0, 6]]
+    assert comm.minimum_bytes(m, d_model=8, element_size=4).tolist() == [2 * 32, 0]
+    assert comm.deepspeed_capacity(10, 4, 1.0) == 4 and comm.deepspeed_capacity(100, 4, 2.0, top_k=2) == 100
+    # E*C*d*size*(W-1)/W, whatever the routing
+    assert comm.deepspeed_bytes(100, 4, 2, 8, 4, 1.0) == 4 * 25 * 8 * 4 // 2
+    assert comm.deepspeed_dropped(torch.tensor([[6, 0], [4, 4]]), tokens=8, capacity_factor=1.0) == 2
+
+
+def test_deepspeed_capacity_matches_deepspeed():
+    sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+    from labutils.comm import deepspeed_capacity
+
+    for tokens, experts, cf, k in [(64, 8, 1.0, 1), (64, 8, 2.0, 1), (10, 4, 1.25, 2), (3, 8, 1.0, 1)]:
+        gates = torch.zeros(tokens, experts)
+        want = int(sharded_moe._capacity(gates, torch.tensor(cf * k), torch.tensor(4)))
+        assert deepspeed_capacity(tokens, experts, cf, top_k=k) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs at least 2 CUDA GPUs for NCCL expert parallelism")
+def test_expert_parallel_on_cuda_workers():
+    world = min(4, torch.cuda.device_count())
+    results = launch(_parity_cuda, world, timeout=120, backend="nccl")
+    for rank, diffs in enumerate(results):
+        assert all(v <= 1e-4 for v in diffs.values()), (rank, diffs)
+
+
+def _parity_cuda():
+    import torch
+    import torch.distributed as dist
+
+    from labutils.moe import FMoETransformerMLP
+    from labutils.moe.parallel import shard_state
+
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    full = FMoETransformerMLP(2 * world, D, H).to(dev)
+    x_all = torch.randn(8 * world, D, device=dev)
+    y_full = full(x_all)
+    part = FMoETransformerMLP(2, D, H, world_size=world).to(dev)
+    part.load_state_dict(shard_state(full.state_dict(), rank, 2))
+    y = part(x_all[8 * rank: 8 * rank + 8])
+    return {"output": (y - y_full[8 * rank: 8 * rank + 8]).abs().max().item()}
