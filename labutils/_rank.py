@@ -89,7 +89,8 @@ def run(rank: int, cfg: dict) -> None:
         _record_error(tmp, rank, f"SystemExit({exc.code!r})", traceback.format_exc())
     except BaseException as exc:  # report everything, KeyboardInterrupt included
         tb = exc.__traceback__.tb_next or exc.__traceback__  # drop this module's own frame
-        _record_error(tmp, rank, f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(type(exc), exc, tb)))
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        _record_error(tmp, rank, f"{type(exc).__name__}: {exc}", text)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
