@@ -23,6 +23,7 @@ _EXPORTS = {
     "check_exercise": "exercises",
     "seed_everything": "envreport",
     "GroupedDataParallel": "parallel", "allreduce_grouped_grads": "parallel", "mark_expert_params": "parallel",
+    "init_deepspeed": "ds",
 }
 
 # The launcher is imported eagerly: its module is also called `launch`, and importing the submodule

@@ -1,0 +1,154 @@
+"""MoE-aware data parallelism: average dense gradients, never mix experts. (Taught in chapter 07.)
+
+A data-parallel wrapper (DDP, ``replicate``, ``fully_shard``) assumes every rank holds the same
+parameters and averages every gradient over all ranks. With expert parallelism that is wrong: a
+parameter called ``experts.0.w1`` is expert 0 on rank 0 and expert 1 on rank 1. Averaging mixes two
+different experts, and DDP's start-up broadcast even overwrites every expert with rank 0's.
+
+The fix (fastmoe's ``DistributedGroupedDataParallel``, DeepSpeed's expert parameter groups) tags each
+parameter with the group its gradient is reduced over, in fastmoe's vocabulary (``p.dp_comm``):
+
+* ``"dp"`` (the default, untagged parameters): dense; all-reduce over the data-parallel group and divide
+  by its size, as DDP does;
+* ``"gate"`` / ``"world"``: dense, reduced over every rank (fastmoe tags its gate ``"gate"``);
+* ``"expert"`` / ``"none"`` (fastmoe's expert tag), or DeepSpeed's ``param.allreduce is False``: expert;
+  all-reduce only over the *expert-data-parallel* group (ranks holding a replica of the same expert; none
+  when every expert lives on exactly one rank).
+
+Scale of expert gradients: an expert already receives the gradients of the tokens of every rank in its
+expert-parallel group (through the backward all-to-all), so after the expert-data-parallel sum it holds
+the gradient of the SUM of all ranks' losses. ``expert_scale="mean"`` divides it by the data-parallel
+world size, like DeepSpeed ("to keep gradients unaffected by ep_size"), which matches a single process
+training on the global batch with a mean loss. ``expert_scale="sum"`` leaves it as fastmoe does (its
+tests compare expert gradients with the SUM of per-rank reference gradients), i.e. experts then train
+with a learning rate ``world_size`` times larger than the dense part.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# dp_comm tag -> which gradient group: "dp" (data-parallel group), "world" (every rank), "expert"
+_TAGS = {"dp": "dp", "gate": "world", "world": "world", "expert": "expert", "none": "expert"}
+
+__all__ = ["mark_expert_params", "grad_group", "is_expert_param", "split_dense_expert", "allreduce_grouped_grads",
+           "broadcast_grouped_params", "GroupedDataParallel"]
+
+
+def mark_expert_params(module: nn.Module) -> nn.Module:
+    """Tag every parameter of ``module`` as an expert parameter (``p.dp_comm = "expert"``); returns it."""
+    for p in module.parameters():
+        p.dp_comm = "expert"
+    return module
+
+
+def grad_group(p: torch.Tensor) -> str:
+    """``"dp"``, ``"world"`` or ``"expert"``: the group ``p``'s gradient is reduced over (see the module doc)."""
+    tag = getattr(p, "dp_comm", None)
+    if tag is None:
+        return "expert" if getattr(p, "allreduce", True) is False else "dp"
+    if tag not in _TAGS:
+        raise ValueError(f"unknown dp_comm {tag!r} on a parameter of shape {tuple(p.shape)}; "
+                         f"expected one of {sorted(_TAGS)}")
+    return _TAGS[tag]
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """True for an expert parameter: tagged ``"expert"``/``"none"`` or DeepSpeed's ``allreduce=False``."""
+    return grad_group(p) == "expert"
+
+
+def split_dense_expert(module: nn.Module) -> tuple[list, list]:
+    """``(dense, expert)`` lists of ``(name, param)`` that require grad (e.g. for optimizer param groups)."""
+    dense, expert = [], []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (expert if is_expert_param(p) else dense).append((name, p))
+    return dense, expert
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _allreduce_flat(tensors: list, group, divisor: float) -> None:
+    """Sum ``tensors`` over ``group`` in one flat buffer per dtype, divide by ``divisor``, write back."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])  # (sum numel,)
+        dist.all_reduce(flat, group=group)
+        flat /= divisor
+        for t, piece in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(piece.view_as(t))
+
+
+def allreduce_grouped_grads(module: nn.Module, *, dp_group=None, expert_dp_group=None,
+                            expert_scale: str = "mean") -> dict:
+    """All-reduce gradients after ``backward()``: dense over ``dp_group``, experts over ``expert_dp_group``.
+
+    ``dp_group``: the data-parallel group (``None``: the default group, every rank).
+    ``expert_dp_group``: ranks that hold replicas of the same experts; ``None`` means every expert lives on
+    one rank only, so expert gradients are not communicated at all.
+    ``expert_scale``: "mean" (divide expert gradients by the data-parallel size, DeepSpeed) or "sum"
+    (leave them, fastmoe). Returns how many gradient tensors went to each group (``dp``, ``world``, ``expert``).
+    """
+    if expert_scale not in ("mean", "sum"):
+        raise ValueError(f"expert_scale must be 'mean' or 'sum', not {expert_scale!r}")
+    grads = {"dp": [], "world": [], "expert": []}
+    for p in module.parameters():
+        if p.requires_grad and p.grad is not None:
+            grads[grad_group(p)].append(p.grad)
+    for key, group in (("dp", dp_group), ("world", None)):
+        if grads[key]:
+            _allreduce_flat(grads[key], group, float(dist.get_world_size(group)))
+    divisor = float(dist.get_world_size(dp_group)) if expert_scale == "mean" else 1.0
+    if grads["expert"] and _group_size(expert_dp_group) > 1:
+        _allreduce_flat(grads["expert"], expert_dp_group, divisor)
+    elif grads["expert"] and divisor != 1.0:
+        with torch.no_grad():
+            for g in grads["expert"]:
+                g /= divisor
+    return {k: len(v) for k, v in grads.items()}
+
+
+def broadcast_grouped_params(module: nn.Module, *, dp_group=None, expert_dp_group=None) -> None:
+    """Make replicas equal at start: each parameter from the first rank of its group (``"dp"``: ``dp_group``,
+    ``"world"``: every rank, ``"expert"``: ``expert_dp_group``; experts are left alone when that is ``None``,
+    each rank keeps its own)."""
+    groups = {"dp": dp_group, "world": None, "expert": expert_dp_group}
+    with torch.no_grad():
+        for p in module.parameters():
+            key = grad_group(p)
+            if key == "expert" and expert_dp_group is None:
+                continue
+            group = groups[key]
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.broadcast(p.data, src=src, group=group)
+
+
+class GroupedDataParallel(nn.Module):
+    """A minimal MoE-aware DDP: broadcast at wrap, call :meth:`allreduce_gradients` after ``backward()``.
+
+    Like fastmoe's ``DistributedGroupedDataParallel`` (no automatic hooks: you call the reduction), with
+    DeepSpeed's expert gradient scale by default. Parameters are tagged with :func:`mark_expert_params`.
+    """
+
+    def __init__(self, module: nn.Module, *, dp_group=None, expert_dp_group=None, expert_scale: str = "mean",
+                 sync_params: bool = True):
+        super().__init__()
+        if expert_scale not in ("mean", "sum"):
+            raise ValueError(f"expert_scale must be 'mean' or 'sum', not {expert_scale!r}")
+        self.module = module
+        self.dp_group, self.expert_dp_group, self.expert_scale = dp_group, expert_dp_group, expert_scale
+        if sync_params:
+            broadcast_grouped_params(module, dp_group=dp_group, expert_dp_group=expert_dp_group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def allreduce_gradients(self) -> dict:
+        return allreduce_grouped_grads(self.module, dp_group=self.dp_group, expert_dp_group=self.expert_dp_group,
+                                       expert_scale=self.expert_scale)
