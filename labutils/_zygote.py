@@ -47,9 +47,10 @@ def status_code(status: int) -> int:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     die_with_parent(cfg["parent_pid"])
+    import cloudpickle  # noqa: F401
     import torch  # noqa: F401  (imported once, shared by every forked rank)
     import torch.distributed  # noqa: F401
-    import cloudpickle  # noqa: F401
+
     from labutils import _rank
 
     pids = {}

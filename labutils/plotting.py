@@ -6,7 +6,6 @@ Each function returns the matplotlib Figure (display it, save it with ``fig.save
 from __future__ import annotations
 
 import matplotlib
-
 import matplotlib.pyplot as plt
 import torch
 
