@@ -1,0 +1,209 @@
+"""labutils.ds: DeepSpeed in one process and in launch workers, the prebuilt op, quiet output,
+ep_size=2 parity and the capacity-agreement guard (all with the real DeepSpeed, never mocked)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labutils.launch import WorkerError, launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+D, E = 8, 4
+
+
+@pytest.fixture(scope="module")
+def ds():
+    from labutils import ds
+
+    ds.import_deepspeed()
+    return ds
+
+
+def test_init_deepspeed_single_process_is_quiet_idempotent_and_uses_a_free_port():
+    code = """
+import json, os
+from labutils.ds import init_deepspeed
+import deepspeed.comm as dc
+a = init_deepspeed()
+b = init_deepspeed()
+print(json.dumps({"a": a, "b": b, "ds": dc.is_initialized(), "world": dc.get_world_size(),
+                  "port": os.environ["MASTER_PORT"], "ext": os.environ["TORCH_EXTENSIONS_DIR"]}))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK",
+                                                            "TORCH_EXTENSIONS_DIR")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env=env)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, f"init_deepspeed printed something:\n{run.stdout}"  # quiet: only our JSON
+    out = json.loads(lines[0])
+    assert out["a"] == out["b"] == {"rank": 0, "world_size": 1, "backend": "gloo", "adopted": False}
+    assert out["ds"] and out["world"] == 1
+    assert out["ext"] == str(ROOT / ".cache" / "torch_extensions")
+    assert out["port"] != "29500"  # a free port, not DeepSpeed's fixed default
+
+
+def _adopt():
+    import deepspeed.comm as dc
+    import torch.distributed as dist
+
+    from labutils.ds import init_deepspeed
+
+    before = dist.is_initialized()
+    info = init_deepspeed()
+    return {"before": before, "info": info, "again": init_deepspeed(), "ds_world": dc.get_world_size(),
+            "ds_rank": dc.get_rank(), "port_set": "MASTER_PORT" in os.environ}
+
+
+def test_init_deepspeed_adopts_the_launch_group():
+    results = launch(_adopt, 2, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["before"], "launch should have started torch.distributed"
+        assert r["info"] == r["again"] == {"rank": rank, "world_size": 2, "backend": "gloo", "adopted": True}
+        assert (r["ds_world"], r["ds_rank"]) == (2, rank)
+        assert not r["port_set"], "adopting must not invent rendezvous variables"
+
+
+def test_quiet_swallows_c_level_output_and_keeps_it_on_error(ds, capfd):
+    with ds.quiet():
+        print("python level")
+        os.write(1, b"c level\n")
+        os.write(2, b"c level err\n")
+    captured = capfd.readouterr()
+    assert "level" not in captured.out + captured.err
+    with pytest.raises(RuntimeError) as info:
+        with ds.quiet():
+            os.write(1, b"linker says hi\n")
+            raise RuntimeError("boom")
+    assert "linker says hi" in "\n".join(getattr(info.value, "__notes__", []))
+
+
+def test_build_ops_uses_the_project_cache():
+    run = subprocess.run([sys.executable, "tools/build_ds_ops.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    from labutils.ds import extensions_dir, shm_op_built
+
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        assert extensions_dir() == ROOT / ".cache" / "torch_extensions"
+    if sys.platform == "linux":  # elsewhere DeepSpeed uses no shared-memory op and the tool says so
+        assert "deepspeed_shm_comm" in run.stdout
+        assert shm_op_built()
+
+
+def test_shard_for_rank_maps_local_experts_to_global_ones(ds):
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([MoE(D, torch.nn.Linear(D, D), num_experts=n, ep_size=2) for n in (2, 4)])
+    full = {name: torch.tensor(float(i)) for i, name in enumerate(
+        torch.nn.ModuleList([MoE(D, torch.nn.Linear(D, D), num_experts=n) for n in (2, 4)]).state_dict())}
+    mapped = ds.shard_for_rank(full, model, rank=1)
+    assert set(mapped) == set(model.state_dict())
+    assert mapped["1.deepspeed_moe.experts.deepspeed_experts.0.weight"] == \
+        full["1.deepspeed_moe.experts.deepspeed_experts.2.weight"]
+    assert mapped["0.deepspeed_moe.experts.deepspeed_experts.0.bias"] == \
+        full["0.deepspeed_moe.experts.deepspeed_experts.1.bias"]
+    assert mapped["1.deepspeed_moe.gate.wg.weight"] == full["1.deepspeed_moe.gate.wg.weight"]
+
+
+def _ep_parity(k):
+    """One rank: ep_size=1 (all experts, own tokens) vs ep_size=2 (its half of the experts)."""
+    import torch
+    import torch.distributed as dist
+
+    from labutils.ds import init_deepspeed, quiet, shard_for_rank
+
+    init_deepspeed()
+    from deepspeed.moe.layer import MoE
+
+    rank = dist.get_rank()
+
+    def build(ep_size):
+        torch.manual_seed(0)
+        return MoE(D, torch.nn.Linear(D, D), num_experts=E, ep_size=ep_size, k=k, capacity_factor=1.0,
+                   min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
+
+    full, sharded = build(1), build(2)
+    with torch.no_grad():
+        for p in full.deepspeed_moe.experts.parameters():
+            p.copy_(torch.randn_like(p))
+    with quiet():
+        sharded.set_deepspeed_parallelism()
+    sharded.load_state_dict(shard_for_rank(full.state_dict(), sharded, rank))
+    torch.manual_seed(1 + rank)
+    x, target = torch.randn(24, D), torch.randn(24, D)
+    outs = {}
+    for name, model in (("ep1", full), ("ep2", sharded)):
+        y, l_aux, _ = model(x)
+        (((y - target) ** 2).mean() + 0.01 * l_aux).backward()
+        outs[name] = y.detach()
+    grads1 = {n: p.grad.clone() for n, p in full.named_parameters()}
+    for n, g in grads1.items():
+        if "deepspeed_experts" in n:
+            dist.all_reduce(g)
+    return outs, shard_for_rank(grads1, sharded, rank), {n: p.grad for n, p in sharded.named_parameters()}
+
+
+def _ep_parity_k12():
+    return {k: _ep_parity(k) for k in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def ep_parity_results():
+    return launch(_ep_parity_k12, 2, timeout=180)  # one launch for both k
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_ep_size_2_matches_ep_size_1(ep_parity_results, k):
+    from labutils.compare import compare_models
+
+    for rank, per_k in enumerate(ep_parity_results):
+        outs, grads1, grads2 = per_k[k]
+        torch.testing.assert_close(outs["ep2"], outs["ep1"], atol=1e-6, rtol=1e-5)
+        assert not torch.equal(outs["ep1"], torch.zeros_like(outs["ep1"]))
+        report = compare_models(grads2, grads1, "grads", atol=1e-6, rtol=1e-5)
+        assert report.ok, f"rank {rank}\n{report.table()}"
+        assert len(report.diffs) == 1 + 2 * 2  # gate + 2 local experts x (weight, bias)
+
+
+def _mismatch(guard, fix):
+    import torch
+    import torch.distributed as dist
+
+    from labutils.ds import CapacityMismatchError, init_deepspeed, install_capacity_guard, quiet
+
+    init_deepspeed()
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(D, torch.nn.Linear(D, D), num_experts=E, ep_size=2, k=1, drop_tokens=False, use_rts=False)
+    if fix:
+        with quiet():
+            moe.set_deepspeed_parallelism()
+    handles = install_capacity_guard(moe) if guard else []
+    torch.manual_seed(1)
+    x = torch.randn(16, D) if dist.get_rank() == 0 else torch.randn(1, D) + 0.01 * torch.randn(16, D)
+    try:
+        moe(x)
+    except CapacityMismatchError as exc:
+        return ("error", str(exc), len(handles))
+    return ("ran", "", len(handles))
+
+
+def test_capacity_guard_turns_the_all_to_all_mismatch_into_a_clear_error():
+    guarded = launch(_mismatch, 2, True, False, timeout=120)
+    for kind, message, handles in guarded:
+        assert kind == "error" and handles == 1
+        assert "disagree on the expert capacity" in message and "set_deepspeed_parallelism" in message
+    fixed = launch(_mismatch, 2, True, True, timeout=120)
+    assert [r[0] for r in fixed] == ["ran", "ran"]  # the expert group's all-reduce(MAX) makes them agree
+
+
+def test_unguarded_mismatch_fails_in_the_worker_not_silently():
+    with pytest.raises(WorkerError, match="size|collective|SIGABRT|Connection"):
+        launch(_mismatch, 2, False, False, timeout=60)
