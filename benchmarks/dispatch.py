@@ -1,0 +1,129 @@
+"""Every MoE dispatch design against the machine's limits: experts, tokens per expert and top-k swept.
+
+    .venv/bin/python benchmarks/dispatch.py                 # full sweeps -> benchmarks/results/dispatch.json
+    .venv/bin/python benchmarks/dispatch.py --quick         # tiny sizes, a smoke run -> dispatch_quick.json
+    .venv/bin/python benchmarks/dispatch.py --device cuda   # the same on a GPU -> dispatch_cuda.json
+
+One forward+backward per design on identical weights and routing (labutils/dispatch.py), interleaved, best of
+``--reps``. Each row: tokens/s, useful GFLOP/s, ratio to the dense limit and to the E separate MLPs, share of
+choices kept, rows computed (padding), peak memory. Also the core's profiled time per phase at several tokens
+per expert, and the machine's matmul GFLOP/s (the roofline). Chapter 08 reads the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from labutils.dispatch import DESIGNS, make_problem  # noqa: E402
+from labutils.optional import available  # noqa: E402
+from labutils.roofline import core_breakdown, machine_info, matmul_gflops, measure_point  # noqa: E402
+
+FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=8, budget_s=8,
+            experts=dict(tokens=1024, num_expert=[4, 8, 16, 32, 64, 128]),
+            tokens=dict(num_expert=16, tokens_per_expert=[16, 32, 64, 128, 256, 512]),
+            topk=dict(tokens=1024, num_expert=16, top_k=[1, 2, 4]),
+            breakdown=dict(num_expert=16, tokens_per_expert=[16, 64, 128, 512]),
+            einsum_max_mb=512)
+QUICK = dict(d_model=64, d_hidden=128, top_k=2, reps=2, budget_s=2,
+             experts=dict(tokens=256, num_expert=[4, 16]),
+             tokens=dict(num_expert=8, tokens_per_expert=[16, 128]),
+             topk=dict(tokens=256, num_expert=8, top_k=[1, 4]),
+             breakdown=dict(num_expert=8, tokens_per_expert=[16, 128]),
+             einsum_max_mb=64)
+
+
+def designs_for(T, E, k, cfg, device, skipped):
+    """All designs, less DeepSpeed when missing and the one-hot einsum when its (T, E, C) tensors would not fit."""
+    names = list(DESIGNS)
+    if not available("deepspeed"):
+        names = [n for n in names if not n.startswith("ds_")]
+        skipped.append("DeepSpeed designs: deepspeed is not installed")
+    # einsum holds ~4 (T, E, C) float tensors, C ~ the busiest expert's count (about 1.3 * T*k/E here)
+    mb = 4 * T * E * (1.3 * T * k / E) * 4 / 2 ** 20
+    if mb > cfg["einsum_max_mb"]:
+        names.remove("einsum")
+        skipped.append(f"einsum at T={T} E={E} k={k}: its one-hot tensors would need ~{mb:.0f} MB")
+    if device.type == "cuda" and available("fmoe"):
+        names.append("fastmoe")
+    return names
+
+
+def point(T, E, k, cfg, device, skipped, sweep):
+    p = make_problem(T, cfg["d_model"], cfg["d_hidden"], E, k, device=device)
+    names = designs_for(T, E, k, cfg, device, skipped)
+    rows = measure_point(p, names, reps=cfg["reps"], device=device, budget_s=cfg["budget_s"])
+    meta = dict(sweep=sweep, tokens=T, num_expert=E, top_k=k, tokens_per_expert=T * k / E,
+                d_model=cfg["d_model"], d_hidden=cfg["d_hidden"])
+    ok = [r for r in rows if "error" not in r]
+    print(f"{sweep:<8} T={T:<5} E={E:<4} k={k} tokens/expert={T * k // E:<5} ratio to dense: "
+          + ", ".join(f"{r['design']} {r['ratio']:.2f}" for r in ok), flush=True)
+    for r in rows:
+        if "error" in r:
+            print(f"    {r['design']} failed: {r['error']}", flush=True)
+    return [{**meta, **r} for r in rows]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--sweeps", default="experts,tokens,topk,breakdown")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = QUICK if args.quick else FULL
+    suffix = ("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "")
+    out = args.out or ROOT / "benchmarks" / "results" / f"dispatch{suffix}.json"
+    start = time.perf_counter()
+    d, h = cfg["d_model"], cfg["d_hidden"]
+    result = {"machine": machine_info(device), "config": cfg, "skipped": [],
+              "matmul_gflops": {"square_512": matmul_gflops(512, 512, 512, device=device),
+                                "square_1024": matmul_gflops(1024, 1024, 1024, device=device),
+                                "dense_limit_shape": matmul_gflops(1024, cfg["top_k"] * h, d, device=device)},
+              "rows": [], "breakdown": []}
+    sweeps = args.sweeps.split(",")
+    skipped = result["skipped"]
+    if "experts" in sweeps:
+        s = cfg["experts"]
+        for E in s["num_expert"]:
+            result["rows"] += point(s["tokens"], E, cfg["top_k"], cfg, device, skipped, "experts")
+    if "tokens" in sweeps:
+        s = cfg["tokens"]
+        for tpe in s["tokens_per_expert"]:
+            result["rows"] += point(tpe * s["num_expert"] // cfg["top_k"], s["num_expert"], cfg["top_k"], cfg,
+                                    device, skipped, "tokens")
+    if "topk" in sweeps:
+        s = cfg["topk"]
+        for k in s["top_k"]:
+            result["rows"] += point(s["tokens"], s["num_expert"], k, cfg, device, skipped, "topk")
+    if "breakdown" in sweeps and device.type == "cpu":  # the CPU profiler's timeline; on CUDA use nsys
+        s = cfg["breakdown"]
+        for tpe in s["tokens_per_expert"]:
+            T = tpe * s["num_expert"] // cfg["top_k"]
+            p = make_problem(T, d, h, s["num_expert"], cfg["top_k"], device=device)
+            b = core_breakdown(p)
+            result["breakdown"].append(dict(tokens=T, num_expert=s["num_expert"], top_k=cfg["top_k"],
+                                            tokens_per_expert=tpe, **b))
+            print(f"breakdown tokens/expert={tpe}: " + ", ".join(f"{k} {v * 1e3:.1f} ms"
+                                                                 for k, v in b["total"].items()), flush=True)
+    result["skipped"] = sorted(set(skipped))
+    result["elapsed_s"] = time.perf_counter() - start
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} in {result['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Ways to run an MoE layer's experts, on identical weights and routing. (Taught in chapter 08.)
+
+Every design computes the same function: token ``t`` goes to its ``k`` chosen experts, each a two-layer MLP
+``d -> h -> GELU -> d`` with fastmoe's weight layout ``w1 (E, h, d), b1 (E, h), w2 (E, d, h), b2 (E, d)``, and
+the outputs are summed with the gate scores. They differ only in how tokens reach their experts:
+
+=================  ==================================================================  ==================
+design             how                                                                 extra work
+=================  ==================================================================  ==================
+``loop``           for each expert: ``torch.where`` its tokens, run it, ``index_add_``    E small launches
+``core``           the lab's FastMoE core: sort by expert, one buffer, gather back      a sort, 2 copies
+``padded``         ``[E, C, d]`` buffer (C = busiest expert's count), batched matmul    E*C - N pad rows
+``grouped_mm``     sorted rows, ``torch._grouped_mm`` with group ends ``offs``         (kernel quality)
+``einsum``         GShard's one-hot ``(T, E, C)`` dispatch and combine tensors         O(T*E*C*d) flops
+``ds_cf1/ds_cf2``  DeepSpeed's ``MoE`` layer, capacity factor 1.0 / 2.0                 drops or pad rows
+``fastmoe``        the real fastmoe's ``FMoETransformerMLP`` (CUDA only, when importable)   -
+=================  ==================================================================  ==================
+
+and two limits that no dispatch can beat: ``dense`` (one MLP ``d -> k*h -> d`` doing the same FLOPs) and
+``separate`` (E independent MLPs on tokens that are already sliced per expert: matmuls only).
+
+Routing is shared: :func:`route` turns the same ``logits (T, E)`` into ``(idx, score)`` with DeepSpeed's
+convention (softmax over all experts, top-k, scores renormalised over the k when k > 1), so DeepSpeed's layer,
+fed the same logits, computes the same output wherever it drops nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .moe.functions import combine, count_by_gate, gather, scatter
+
+__all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "loop", "core", "padded",
+           "grouped_mm", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate", "DESIGNS", "LIMITS", "build_designs",
+           "fwd_bwd"]
+
+
+# ---- the problem every design solves ------------------------------------------------------------
+@dataclass
+class Problem:
+    """Inputs, routing logits and expert weights (all leaves with ``requires_grad``), plus the limits' inputs."""
+    x: torch.Tensor            # (T, d)
+    logits: torch.Tensor       # (T, E)
+    w1: torch.Tensor           # (E, h, d)
+    b1: torch.Tensor           # (E, h)
+    w2: torch.Tensor           # (E, d, h)
+    b2: torch.Tensor           # (E, d)
+    top_k: int
+    grad_y: torch.Tensor       # (T, d) the output gradient every backward uses
+    dense_w: list = field(default_factory=list)     # dense MLP d -> k*h -> d: W1 (k*h, d), b1, W2 (d, k*h), b2
+    sliced_x: list = field(default_factory=list)    # E leaves (n_e, d): tokens already grouped by expert
+    sliced_grad: list = field(default_factory=list)  # E tensors (n_e, d)
+    sliced_w: list = field(default_factory=list)    # E tuples (w1_e, b1_e, w2_e, b2_e), own leaves
+
+    T = property(lambda self: self.x.shape[0])
+    d = property(lambda self: self.x.shape[1])
+    h = property(lambda self: self.w1.shape[1])
+    E = property(lambda self: self.w1.shape[0])
+
+    def leaves(self) -> list:
+        """Every tensor a backward may write a ``.grad`` into."""
+        out = [self.x, self.logits, self.w1, self.b1, self.w2, self.b2, *self.dense_w, *self.sliced_x]
+        return out + [t for ws in self.sliced_w for t in ws]
+
+    def zero_grad(self) -> None:
+        for t in self.leaves():
+            t.grad = None
+
+    def flops(self) -> float:
+        """Useful FLOPs of one forward+backward: 2 linears x 3 matmuls (out, grad in, grad w) x 2*T*k*d*h."""
+        return 12.0 * self.T * self.top_k * self.d * self.h
+
+
+class DispatchOut(NamedTuple):
+    y: object        # (T, d), or a list of per-expert outputs for the ``separate`` limit
+    kept: int        # (token, choice) pairs that reached an expert (T*k when nothing is dropped)
+    rows: int        # rows the experts computed, padding included
+
+
+def route(logits: torch.Tensor, top_k: int):
+    """``(T, E)`` logits -> ``idx (T, k)`` int64 and ``score (T, k)``, DeepSpeed's convention (see module doc)."""
+    probs = logits.float().softmax(dim=-1)                                 # (T, E)
+    score, idx = probs.topk(top_k, dim=-1)                                 # (T, k)
+    if top_k > 1:
+        score = score / score.sum(dim=-1, keepdim=True)
+    return idx, score
+
+
+def make_problem(tokens: int, d_model: int, d_hidden: int, num_expert: int, top_k: int, seed: int = 0,
+                 device="cpu", dtype=torch.float32, limits: bool = True) -> Problem:
+    """A seeded random problem; ``limits`` also builds the dense and pre-sliced inputs of the two limits."""
+    if not 1 <= top_k <= num_expert:
+        raise ValueError(f"top_k={top_k} must be between 1 and num_expert={num_expert}")
+    g = torch.Generator().manual_seed(seed)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype).requires_grad_()
+
+    T, d, h, E = tokens, d_model, d_hidden, num_expert
+    p = Problem(x=leaf(T, d), logits=leaf(T, E).detach().float().requires_grad_(),
+                w1=leaf(E, h, d, scale=d ** -0.5), b1=leaf(E, h, scale=0.1),
+                w2=leaf(E, d, h, scale=h ** -0.5), b2=leaf(E, d, scale=0.1), top_k=top_k,
+                grad_y=torch.randn(T, d, generator=g).to(device=device, dtype=dtype))
+    if limits:
+        p.dense_w = [leaf(top_k * h, d, scale=d ** -0.5), leaf(top_k * h, scale=0.1),
+                     leaf(d, top_k * h, scale=h ** -0.5), leaf(d, scale=0.1)]
+        _, counts = count_by_gate(route(p.logits, top_k)[0], E)
+        for n in counts.tolist():
+            p.sliced_x.append(leaf(n, d))
+            p.sliced_grad.append(torch.randn(n, d, generator=g).to(device=device, dtype=dtype))
+            p.sliced_w.append((leaf(h, d, scale=d ** -0.5), leaf(h, scale=0.1), leaf(d, h, scale=h ** -0.5),
+                               leaf(d, scale=0.1)))
+    return p
+
+
+def expert_mlp(x, w1, b1, w2, b2):
+    """One expert: ``(n, d) -> (n, h) -> GELU -> (n, d)``."""
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+# ---- the designs ------------------------------------------------------------------------------
+def loop(p: Problem) -> DispatchOut:
+    """Naive: for each expert find its (token, choice) pairs, run it on them, add the weighted result.
+
+    The stacked weights are ``unbind``-ed once: indexing ``w1[e]`` inside the loop would make every expert's
+    backward write a full-size ``(E, h, d)`` zero gradient, O(E^2) work (tens of times slower at E=64).
+    """
+    idx, score = route(p.logits, p.top_k)                                  # (T, k), (T, k)
+    experts = list(zip(p.w1.unbind(0), p.b1.unbind(0), p.w2.unbind(0), p.b2.unbind(0)))
+    y = torch.zeros_like(p.x)                                              # (T, d)
+    for e, weights in enumerate(experts):
+        tok, choice = torch.where(idx == e)                                # (n_e,), (n_e,)
+        if tok.numel():
+            out = expert_mlp(p.x[tok], *weights)                           # (n_e, d)
+            y.index_add_(0, tok, out * score[tok, choice].unsqueeze(1).to(out.dtype))
+    return DispatchOut(y, idx.numel(), idx.numel())
+
+
+class _LogitsGate(nn.Module):
+    """A fastmoe-style gate that routes with :func:`route` on the logits passed in (a buffer)."""
+
+    def __init__(self, d_model, num_expert, world_size, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.register_buffer("logits", torch.empty(0), persistent=False)
+
+    def forward(self, x):
+        return route(self.logits, self.top_k)
+
+
+_CORE_LAYERS: dict = {}
+
+
+def _core_layer(E: int, d: int, h: int, k: int):
+    key = (E, d, h, k)
+    if key not in _CORE_LAYERS:
+        from .moe.transformer import FMoETransformerMLP
+
+        with torch.device("meta"):  # weights come from the problem through functional_call
+            _CORE_LAYERS[key] = FMoETransformerMLP(num_expert=E, d_model=d, d_hidden=h, top_k=k, gate=_LogitsGate)
+    return _CORE_LAYERS[key]
+
+
+def core(p: Problem) -> DispatchOut:
+    """The lab's FastMoE core (``labutils.moe.FMoETransformerMLP``) unchanged, fed this problem's tensors."""
+    layer = _core_layer(p.E, p.d, p.h, p.top_k)
+    tensors = {"experts.htoh4.weight": p.w1, "experts.htoh4.bias": p.b1, "experts.h4toh.weight": p.w2,
+               "experts.h4toh.bias": p.b2, "gate.logits": p.logits}
+    y = torch.func.functional_call(layer, tensors, (p.x,))                # (T, d)
+    return DispatchOut(y, p.T * p.top_k, p.T * p.top_k)
+
+
+_FMOE_LAYERS: dict = {}
+
+
+def fastmoe(p: Problem) -> DispatchOut:
+    """The real fastmoe (``fmoe``, CUDA only) fed the same tensors: same parameter names as the core."""
+    key = (p.E, p.d, p.h, p.top_k, p.x.device)
+    if key not in _FMOE_LAYERS:
+        from .optional import require
+
+        fmoe = require("fmoe", "the fastmoe dispatch design")
+        _FMOE_LAYERS[key] = fmoe.FMoETransformerMLP(num_expert=p.E, d_model=p.d, d_hidden=p.h, top_k=p.top_k,
+                                                    gate=_LogitsGate).to(p.x.device)
+    tensors = {"experts.htoh4.weight": p.w1, "experts.htoh4.bias": p.b1, "experts.h4toh.weight": p.w2,
+               "experts.h4toh.bias": p.b2, "gate.logits": p.logits}
+    y = torch.func.functional_call(_FMOE_LAYERS[key], tensors, (p.x,))
+    return DispatchOut(y, p.T * p.top_k, p.T * p.top_k)
+
+
+def _sorted_slots(idx: torch.Tensor, E: int):
+    """Sort the (token, choice) pairs by expert: ``pos``, counts, each sorted row's expert and row within it."""
+    pos, counts = count_by_gate(idx, E)                                    # (N,), (E,)
+    expert = idx.reshape(-1)[pos]                                          # (N,)
+    slot = torch.arange(pos.numel(), device=idx.device) - (counts.cumsum(0) - counts)[expert]  # (N,)
+    return pos, counts, expert, slot
+
+
+def padded(p: Problem) -> DispatchOut:
+    """Copy each expert's rows into an ``[E, C, d]`` buffer (C = busiest expert) and run two batched matmuls."""
+    idx, score = route(p.logits, p.top_k)
+    pos, counts, expert, slot = _sorted_slots(idx, p.E)
+    C = int(counts.max())
+    buf = p.x.new_zeros(p.E, C, p.d).index_put((expert, slot), scatter(p.x, pos, p.top_k))  # (E, C, d)
+    hid = F.gelu(torch.baddbmm(p.b1.unsqueeze(1), buf, p.w1.transpose(1, 2)))              # (E, C, h)
+    out = torch.baddbmm(p.b2.unsqueeze(1), hid, p.w2.transpose(1, 2))                      # (E, C, d)
+    y = combine(gather(out[expert, slot], pos, idx.numel()), score)                         # (T, d)
+    return DispatchOut(y, idx.numel(), p.E * C)
+
+
+def grouped_mm(p: Problem) -> DispatchOut:
+    """Sorted rows and one ``torch._grouped_mm`` per linear: group ``e`` is rows ``offs[e-1]:offs[e]``.
+
+    Constraints (torch 2.13): ``mat_a`` 2-D ``(N, d)`` with ``mat_b`` 3-D ``(E, d, h)``; float32, bfloat16 or
+    float16 (not float64); ``offs`` int32 cumulative group ends; empty groups are fine; its backward needs a
+    contiguous incoming gradient (``y.sum().backward()`` fails); on CUDA it needs sm90+ and 16-byte aligned rows.
+    """
+    idx, score = route(p.logits, p.top_k)
+    pos, counts, expert, _ = _sorted_slots(idx, p.E)
+    offs = counts.cumsum(0).to(torch.int32)                                # (E,)
+    xs = scatter(p.x, pos, p.top_k)                                        # (N, d)
+    hid = F.gelu(torch._grouped_mm(xs, p.w1.transpose(1, 2), offs=offs) + p.b1[expert])   # (N, h)
+    out = torch._grouped_mm(hid, p.w2.transpose(1, 2), offs=offs) + p.b2[expert]          # (N, d)
+    y = combine(gather(out, pos, idx.numel()), score)
+    return DispatchOut(y, idx.numel(), idx.numel())
+
+
+def einsum(p: Problem, capacity_factor: float | None = None) -> DispatchOut:
+    """GShard: one-hot dispatch ``(T, E, C)`` and combine tensors, applied with einsums.
+
+    Choices are placed choice-major (every token's first choice before any second choice), as in GShard.
+    ``capacity_factor=None`` sizes C for the busiest expert (drops nothing); otherwise ``C = ceil(cf*T*k/E)``
+    and choices beyond C are dropped.
+    """
+    idx, score = route(p.logits, p.top_k)
+    T, k = idx.shape
+    onehot = F.one_hot(idx.t().reshape(-1), p.E)                           # (k*T, E) choice-major
+    loc = (onehot.cumsum(0) - 1).gather(1, idx.t().reshape(-1, 1)).squeeze(1)  # (k*T,) row within its expert
+    counts = onehot.sum(0)
+    C = int(counts.max()) if capacity_factor is None else math.ceil(capacity_factor * T * k / p.E)
+    keep = loc < C                                                         # (k*T,)
+    slot = F.one_hot(loc.clamp(max=C - 1), C) * keep.unsqueeze(1)          # (k*T, C)
+    route_e = onehot.to(p.x.dtype).view(k, T, p.E)
+    dispatch = torch.einsum("kte,ktc->tec", route_e, slot.to(p.x.dtype).view(k, T, C))     # (T, E, C) 0/1
+    weights = route_e * score.t().unsqueeze(-1).to(p.x.dtype)                             # (k, T, E)
+    comb = torch.einsum("kte,ktc->tec", weights, slot.to(p.x.dtype).view(k, T, C))         # (T, E, C)
+    xe = torch.einsum("tec,td->ecd", dispatch, p.x)                        # (E, C, d)
+    hid = F.gelu(torch.baddbmm(p.b1.unsqueeze(1), xe, p.w1.transpose(1, 2)))               # (E, C, h)
+    out = torch.baddbmm(p.b2.unsqueeze(1), hid, p.w2.transpose(1, 2))                      # (E, C, d)
+    y = torch.einsum("tec,ecd->td", comb, out)                             # (T, d)
+    return DispatchOut(y, int(keep.sum()), p.E * C)
+
+
+class _DeepSpeedLogitsGate(nn.Module):
+    """DeepSpeed's own gating functions (top1/top2/topkgating) applied to the problem's logits.
+
+    Replaces ``TopKGate`` only to skip its ``x @ wg`` (the logits are given, as for every design); the
+    capacity, dropping, normalisation and sparse routes are DeepSpeed's code. Records kept choices and C.
+    """
+
+    def __init__(self, gate):
+        super().__init__()
+        self.k, self.capacity_factor, self.min_capacity = gate.k, gate.capacity_factor, gate.min_capacity
+        self.ep_group, self.logits, self.kept, self.capacity = None, None, 0, 0
+
+    def _set_ep_group(self, ep_group):
+        self.ep_group = ep_group
+
+    def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):
+        from deepspeed.moe import sharded_moe as sm
+
+        logits, cf = self.logits.float(), self.capacity_factor
+        if self.k == 1:
+            out = sm.top1gating(logits, cf, self.min_capacity, used_token, None, True, False, self.ep_group,
+                                sparse_routes, use_tutel)
+        elif self.k == 2:
+            out = sm.top2gating(logits, cf, self.min_capacity, True, self.ep_group, False, sparse_routes)
+        else:
+            out = sm.topkgating(logits, self.k, cf, self.min_capacity, True, self.ep_group, sparse_routes=sparse_routes)
+        if sparse_routes:
+            self.capacity, self.kept = int(out[1]), int((out[3] >= 0).sum())
+        return out
+
+
+class DeepSpeedMoE(nn.Module):
+    """``deepspeed.moe.layer.MoE`` (ep_size 1) holding a copy of the problem's expert weights.
+
+    Call it with the problem: ``ds(p) -> DispatchOut``. Its expert parameters are its own (DeepSpeed keeps one
+    ``nn.Module`` per expert); :meth:`expert_grads` stacks their gradients into the problem's layout.
+    """
+
+    def __init__(self, p: Problem, capacity_factor: float, min_capacity: int = 4):
+        super().__init__()
+        _import_deepspeed()
+        from deepspeed.moe.layer import MoE
+
+        expert = nn.Sequential(nn.Linear(p.d, p.h), nn.GELU(), nn.Linear(p.h, p.d))
+        self.moe = MoE(p.d, expert, num_experts=p.E, k=p.top_k, capacity_factor=capacity_factor,
+                       eval_capacity_factor=capacity_factor, min_capacity=min_capacity, use_rts=False,
+                       top2_2nd_expert_sampling=False).to(device=p.x.device, dtype=p.x.dtype)
+        self.gate = _DeepSpeedLogitsGate(self.moe.deepspeed_moe.gate)
+        self.moe.deepspeed_moe.gate = self.gate
+        with torch.no_grad():
+            for e, mlp in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                for lin, w, b in ((mlp[0], p.w1, p.b1), (mlp[2], p.w2, p.b2)):
+                    lin.weight.copy_(w[e])
+                    lin.bias.copy_(b[e])
+
+    def forward(self, p: Problem) -> DispatchOut:
+        self.gate.logits = p.logits
+        y, _, _ = self.moe(p.x)                                            # (T, d)
+        return DispatchOut(y, self.gate.kept, p.E * self.gate.capacity)
+
+    def expert_grads(self) -> dict:
+        """``{"w1": (E, h, d), "b1", "w2", "b2"}``: the experts' gradients in the problem's layout."""
+        experts = self.moe.deepspeed_moe.experts.deepspeed_experts
+
+        def stack(i, what):
+            return torch.stack([getattr(m[i], what).grad for m in experts])
+
+        return {"w1": stack(0, "weight"), "b1": stack(0, "bias"), "w2": stack(2, "weight"), "b2": stack(2, "bias")}
+
+
+def _import_deepspeed():
+    try:
+        from .ds import import_deepspeed  # quiet logs, CPU accelerator chosen explicitly
+    except ImportError:  # pragma: no cover - labutils copied without ds.py
+        from .optional import require
+
+        return require("deepspeed", "the DeepSpeed dispatch design")
+    return import_deepspeed()
+
+
+# ---- the limits ----------------------------------------------------------------------------------
+def dense(p: Problem) -> DispatchOut:
+    """Limit 1: one dense MLP ``d -> k*h -> d`` on all T tokens: the same FLOPs with no routing at all."""
+    return DispatchOut(expert_mlp(p.x, *p.dense_w), p.T * p.top_k, p.T * p.top_k)
+
+
+def separate(p: Problem) -> DispatchOut:
+    """Limit 2: E independent MLPs on tokens already sliced per expert: only the matmuls any design must run."""
+    ys = [expert_mlp(x, *w) for x, w in zip(p.sliced_x, p.sliced_w) if x.shape[0]]
+    n = sum(x.shape[0] for x in p.sliced_x)
+    return DispatchOut(ys, n, n)
+
+
+DESIGNS = {"loop": loop, "core": core, "padded": padded, "grouped_mm": grouped_mm, "einsum": einsum,
+           "ds_cf1": 1.0, "ds_cf2": 2.0}  # DeepSpeed entries are capacity factors: built per problem
+LIMITS = {"dense": dense, "separate": separate}
+
+
+def build_designs(p: Problem, names=None) -> dict:
+    """``{name: fn(p) -> DispatchOut}`` for the designs and limits named (default: all), DeepSpeed built for ``p``."""
+    table = {**DESIGNS, **LIMITS, "fastmoe": fastmoe}
+    names = list(table) if names is None else list(names)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown designs {unknown}; choose from {list(table)}")
+    return {n: DeepSpeedMoE(p, table[n]) if isinstance(table[n], float) else table[n] for n in names}
+
+
+def fwd_bwd(fn, p: Problem) -> DispatchOut:
+    """One training step of a design: forward, then backward of ``p.grad_y`` (grads land in ``.grad``)."""
+    p.zero_grad()
+    if isinstance(fn, nn.Module):
+        fn.zero_grad(set_to_none=True)
+    out = fn(p)
+    if isinstance(out.y, list):
+        grads = [g for g in p.sliced_grad if g.shape[0]]
+        torch.autograd.backward(out.y, grads)
+    else:
+        out.y.backward(p.grad_y)
+    return out
