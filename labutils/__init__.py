@@ -21,6 +21,7 @@ _EXPORTS = {
     "count_params": "params", "ParamCounts": "params",
     "env_report": "envreport", "show_source": "envreport",
     "check_exercise": "exercises",
+    "collect_aux_loss": "moe",
     "seed_everything": "envreport",
     "GroupedDataParallel": "parallel", "allreduce_grouped_grads": "parallel", "mark_expert_params": "parallel",
     "init_deepspeed": "ds",

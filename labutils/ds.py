@@ -223,6 +223,7 @@ class CapacityMismatchError(RuntimeError):
 
 def moe_layers(model: torch.nn.Module) -> list:
     """Every ``deepspeed.moe.layer.MoE`` in ``model`` (in module order)."""
+    import_deepspeed()
     from deepspeed.moe.layer import MoE
 
     return [m for m in model.modules() if isinstance(m, MoE)]

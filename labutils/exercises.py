@@ -25,8 +25,11 @@ def check_exercise(name: str, fn, reference, *cases, rtol: float = 1e-5, atol: f
         args = case if isinstance(case, tuple) else (case,)
         try:
             got = fn(*args)
-        except NotImplementedError as exc:
-            print(f"{name} case {i}: not written yet ({exc})")
+        except Exception as exc:
+            # a blank exercise raises NotImplementedError, also inside launch() workers (WorkerError)
+            if not isinstance(exc, NotImplementedError) and "NotImplementedError" not in str(exc):
+                raise
+            print(f"{name} case {i}: not written yet (NotImplementedError)")
             failures.append(i)
             continue
         want = reference(*args)
