@@ -1,0 +1,24 @@
+"""FastMoE-compatible MoE core in plain PyTorch (chapter 01).
+
+Same names, signatures and data flow as fastmoe (``fmoe``), runnable anywhere:
+
+    from labutils.moe import FMoETransformerMLP, GShardGate, collect_aux_loss
+    layer = FMoETransformerMLP(num_expert=8, d_model=64, d_hidden=256, top_k=2, gate=GShardGate)
+    y = layer(x)                      # (..., 64) -> (..., 64)
+    loss = task_loss + 0.01 * collect_aux_loss(model)
+
+``labutils.moe.parallel`` (chapter 06) adds the expert-parallel exchange used when ``world_size > 1``.
+"""
+from .capacity_gates import GShardGate, SwitchGate, limit_by_capacity, position_in_expert
+from .functions import check_gate_output, combine, count_by_gate, gather, scatter
+from .gates import BaseGate, NaiveGate, NoisyGate, collect_aux_loss, cv_squared
+from .layers import FMoE
+from .linear import FMoELinear, MOELinear
+from .transformer import FMoETransformerMLP
+
+__all__ = [
+    "FMoE", "FMoELinear", "FMoETransformerMLP", "MOELinear",
+    "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate",
+    "collect_aux_loss", "cv_squared", "limit_by_capacity", "position_in_expert",
+    "count_by_gate", "scatter", "gather", "combine", "check_gate_output",
+]

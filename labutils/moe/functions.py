@@ -1,0 +1,102 @@
+"""The named steps of an MoE forward, as in fastmoe's ``functions.py``. (Taught in chapter 01.)
+
+    gate -> count_by_gate -> scatter -> run experts -> gather -> combine
+
+Shapes: ``T`` tokens, ``k`` choices per token, ``E`` experts, ``N <= T*k`` kept choices.
+``pos`` lists the kept choices (as indices into the flattened ``(T*k,)`` gate output) sorted by expert,
+so ``x[pos // k]`` is the expert-contiguous input buffer. All steps are plain differentiable torch ops.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def count_by_gate(gate_idx: torch.Tensor, num_expert: int, world_size: int = 1):
+    """Tokens per expert and the order that makes each expert's tokens contiguous.
+
+    ``gate_idx``: ``(T, k)`` expert ids in ``0 .. world_size*num_expert-1`` or ``-1`` (dropped).
+    Returns ``pos`` ``(N,)`` int64 (stable: tokens keep their order within an expert) and
+    ``local_expert_count`` ``(world_size*num_expert,)`` int64, the number of choices for each expert.
+    (fastmoe also returns the count each worker RECEIVES; here the expert-parallel exchange computes it.)
+    """
+    tot_expert = num_expert * world_size
+    flat = gate_idx.reshape(-1)                                          # (T*k,)
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, tot_expert))
+    counts = torch.bincount(key, minlength=tot_expert + 1)[:tot_expert]  # (E,) drops counted in the extra bin
+    pos = torch.argsort(key, stable=True)[: flat.numel() - int((flat < 0).sum())]
+    return pos, counts
+
+
+class MOEScatter(torch.autograd.Function):
+    """``x.index_select(0, rows)`` whose backward is one ``index_add_`` (fastmoe's MOEScatter, one worker)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        ctx.num_tokens = x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        grad_x = grad.new_zeros(ctx.num_tokens, grad.shape[-1])
+        return grad_x.index_add_(0, rows, grad), None
+
+
+class MOEGather(torch.autograd.Function):
+    """Write rows to ``pos`` of a ``(num_choices, d)`` buffer (zeros elsewhere); backward is ``index_select``."""
+
+    @staticmethod
+    def forward(ctx, y_sorted, pos, num_choices):
+        ctx.save_for_backward(pos)
+        full = pos.numel() == num_choices                                    # nothing dropped: no zero fill
+        out = (y_sorted.new_empty if full else y_sorted.new_zeros)(num_choices, y_sorted.shape[-1])
+        return out.index_copy_(0, pos, y_sorted)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pos,) = ctx.saved_tensors
+        return grad.index_select(0, pos), None, None
+
+
+def scatter(x: torch.Tensor, pos: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Expert-contiguous input buffer ``(N, d)``: row ``i`` is the token of choice ``pos[i]``."""
+    return MOEScatter.apply(x, torch.div(pos, top_k, rounding_mode="floor"))
+
+
+def gather(y_sorted: torch.Tensor, pos: torch.Tensor, num_choices: int) -> torch.Tensor:
+    """Put expert outputs back in token order: ``(T*k, d)``, zero rows for dropped choices."""
+    return MOEGather.apply(y_sorted, pos, num_choices)
+
+
+def combine(y_choices: torch.Tensor, gate_score: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over each token's ``k`` choices: ``(T*k, d)`` and ``(T, k)`` -> ``(T, d)``."""
+    T, k = gate_score.shape
+    y = y_choices.reshape(T, k, y_choices.shape[-1])                     # (T, k, d)
+    # fastmoe uses bmm((T,1,k), (T,k,d)); T tiny matmuls are slower on CPU than a broadcast multiply-sum
+    return (gate_score.to(y.dtype).unsqueeze(-1) * y).sum(1)
+
+
+def check_gate_output(gate_idx, gate_score, num_tokens: int, top_k: int, tot_expert: int):
+    """Validate a gate's output and return it as ``(T, k)`` int64 ids and ``(T, k)`` scores.
+
+    fastmoe gates may return flat ``(T*k,)`` ids or ``(T, 1, k)`` scores; those are reshaped. Anything else
+    raises a ValueError naming the gate output that is wrong.
+    """
+    want = (num_tokens, top_k)
+    if not torch.is_tensor(gate_idx) or not torch.is_tensor(gate_score):
+        raise ValueError("the gate must return two tensors (gate_top_k_idx, gate_score)")
+    if gate_idx.numel() != num_tokens * top_k:
+        raise ValueError(f"the gate returned gate_top_k_idx of shape {tuple(gate_idx.shape)}; expected {want} "
+                         f"(T tokens, top_k choices)")
+    if gate_score.numel() != num_tokens * top_k:
+        raise ValueError(f"the gate returned gate_score of shape {tuple(gate_score.shape)}; expected {want}")
+    if gate_idx.dtype.is_floating_point or gate_idx.dtype == torch.bool:
+        raise ValueError(f"gate_top_k_idx must hold integer expert ids, got dtype {gate_idx.dtype}")
+    if not gate_score.dtype.is_floating_point:
+        raise ValueError(f"gate_score must be floating point, got dtype {gate_score.dtype}")
+    gate_idx = gate_idx.reshape(want).long()
+    if gate_idx.numel() and (int(gate_idx.min()) < -1 or int(gate_idx.max()) >= tot_expert):
+        raise ValueError(f"gate_top_k_idx holds ids in [{int(gate_idx.min())}, {int(gate_idx.max())}]; "
+                         f"expected -1 (dropped) or 0..{tot_expert - 1}")
+    return gate_idx, gate_score.reshape(want)

@@ -1,0 +1,340 @@
+"""labutils.moe (chapter 01): the FastMoE core against brute-force references, fp32 tolerance 1e-5."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from labutils.compare import compare_tensors
+from labutils.moe import (
+    FMoE,
+    FMoELinear,
+    FMoETransformerMLP,
+    GShardGate,
+    MOELinear,
+    NaiveGate,
+    NoisyGate,
+    SwitchGate,
+    collect_aux_loss,
+    count_by_gate,
+    cv_squared,
+    limit_by_capacity,
+)
+from labutils.moe.fastmoe_compat import copy_moe_weights, fused_grads
+from labutils.moe.reference import (
+    reference_count_by_gate,
+    reference_limit_by_capacity,
+    reference_moe,
+    reference_topk_gate,
+)
+from labutils.moe.transformer import _Expert
+from labutils.optional import available
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+E, D, H = 4, 8, 16
+# (gate class, top_k, gate kwargs): small capacities so that tokens really are dropped
+GATES = [
+    (NaiveGate, 2, {}),
+    (NaiveGate, 3, {}),
+    (NoisyGate, 2, {}),
+    (GShardGate, 2, dict(capacity=(0.6, 0.8))),
+    (SwitchGate, 1, dict(capacity=(0.6, 0.8))),
+]
+
+
+def make_layer(gate, top_k, gate_kwargs=None, seed=0, **kw):
+    torch.manual_seed(seed)
+    gate_cls = gate
+    if gate_kwargs:
+        def gate_cls(d, e, w, k, gate_bias=True, _g=gate, _kw=gate_kwargs):
+            return _g(d, e, w, k, gate_bias=gate_bias, **_kw)
+    layer = FMoETransformerMLP(num_expert=kw.pop("num_expert", E), d_model=D, d_hidden=H, top_k=top_k,
+                               gate=gate_cls, **kw)
+    with torch.no_grad():  # non-zero biases so that bias gradients and dropped rows are visible
+        for p in layer.experts.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def run_both(layer, x, seed=1):
+    """Fast path and reference on the same input and gate randomness; returns outputs and gradients."""
+    grad = torch.randn_like(x)
+    results = []
+    for fn in (layer, lambda inp: reference_moe(layer, inp)):
+        for p in layer.parameters():
+            p.grad = None
+        xx = x.clone().requires_grad_()
+        torch.manual_seed(seed)
+        y = fn(xx)
+        y.backward(grad)
+        results.append((y.detach(), xx.grad, {n: p.grad.clone() for n, p in layer.named_parameters()
+                                               if p.grad is not None}))
+    return results
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("gate,top_k,kw", GATES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_layer_matches_per_token_reference(gate, top_k, kw, train):
+    layer = make_layer(gate, top_k, kw)
+    layer.train(train)
+    seen = []
+    layer.gate_hook = lambda idx, score, _: seen.append(idx)
+    x = torch.randn(3, 10, D)
+    (y, gx, gp), (y_ref, gx_ref, gp_ref) = run_both(layer, x)
+    if gate in (GShardGate, SwitchGate):
+        assert (seen[0] == -1).any(), "capacity small enough that some choices are dropped"
+    assert y.shape == x.shape
+    assert compare_tensors("output", y, y_ref, **TOL).close
+    assert compare_tensors("input grad", gx, gx_ref, **TOL).close
+    assert set(gp) == set(gp_ref) and any(n.startswith("gate.") for n in gp)
+    for name in gp:
+        assert compare_tensors(name, gp[name], gp_ref[name], **TOL).close, name
+
+
+@pytest.mark.parametrize("gate,top_k,kw", [g for g in GATES if g[0] in (GShardGate, SwitchGate)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_dropped_tokens_contribute_exactly_zero(gate, top_k, kw):
+    layer = make_layer(gate, top_k, kw)
+    x = torch.randn(40, D)
+    torch.manual_seed(3)
+    idx, score = layer.gate(x)
+    assert (idx == -1).any(), "the test needs drops"
+    hook = {}
+    layer.gate_hook = lambda i, s, _: hook.update(idx=i.clone())
+    torch.manual_seed(3)
+    y = layer(x)
+    assert torch.equal(hook["idx"], idx)
+    dropped_all = (idx == -1).all(dim=1)
+    if top_k == 1:
+        assert dropped_all.any()
+        assert torch.equal(y[dropped_all], torch.zeros_like(y[dropped_all]))
+    # the output equals the reference fed the same routing, where -1 adds nothing
+    assert compare_tensors("y", y, reference_moe(layer, x, idx, score), **TOL).close
+
+
+def test_count_by_gate_matches_loop_with_drops():
+    torch.manual_seed(0)
+    idx = torch.randint(-1, 6, (50, 2))
+    pos, counts = count_by_gate(idx, 3, world_size=2)
+    pos_ref, counts_ref = reference_count_by_gate(idx, 6)
+    assert torch.equal(pos, pos_ref) and torch.equal(counts, counts_ref)
+    assert counts.dtype == torch.int64 and counts.shape == (6,)
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 3, 100])
+def test_limit_by_capacity_token_order(capacity):
+    torch.manual_seed(capacity)
+    idx = torch.randint(-1, 5, (30, 2))
+    got = limit_by_capacity(idx, 5, capacity)
+    assert torch.equal(got, reference_limit_by_capacity(idx, 5, capacity))
+    kept = torch.bincount(got[got >= 0], minlength=5)
+    assert int(kept.max()) <= capacity
+
+
+def test_naive_gate_is_topk_softmax():
+    torch.manual_seed(0)
+    gate = NaiveGate(D, E, 1, 2)
+    x = torch.randn(20, D)
+    idx, score = gate(x)
+    idx_ref, score_ref = reference_topk_gate(gate.gate(x), 2)
+    assert torch.equal(idx, idx_ref)
+    assert compare_tensors("score", score, score_ref, **TOL).close
+    assert float(gate.get_loss()) == 0.0
+
+
+def test_gshard_capacity_loss_and_random_routing():
+    torch.manual_seed(0)
+    gate = GShardGate(D, E, 1, 2, capacity=(1.0, 2.0), random_routing=True)
+    x = torch.randn(32, D)
+    assert gate.capacity_per_expert(32) == math.ceil(1.0 * 2 * 32 / E)
+    gate.eval()
+    assert gate.capacity_per_expert(32) == math.ceil(2.0 * 2 * 32 / E)
+    gate.train()
+    torch.manual_seed(5)
+    idx, score = gate(x)
+    logits = gate.gate(x)
+    top_idx, top_score = reference_topk_gate(logits, 2)
+    torch.manual_seed(5)
+    keep2 = torch.rand(32) < 2 * top_score[:, 1]
+    expected = torch.stack([top_idx[:, 0], torch.where(keep2, top_idx[:, 1], -1)], 1)
+    expected = reference_limit_by_capacity(expected, E, gate.capacity_per_expert(32))
+    assert torch.equal(idx, expected)
+    c = torch.bincount(top_idx[:, 0], minlength=E).float() / 32
+    m = torch.softmax(logits, -1).mean(0)
+    assert compare_tensors("loss", gate.get_loss(), (c * m).mean() * E * E, **TOL).close
+
+
+def test_switch_jitter_multiplies_router_input_and_loss():
+    torch.manual_seed(0)
+    gate = SwitchGate(D, E, 1, 1, switch_eps=0.1, capacity=(1.0, 2.0))
+    x = torch.randn(32, D)
+    torch.manual_seed(7)
+    idx, score = gate(x)
+    torch.manual_seed(7)
+    noise = torch.empty_like(x).uniform_(0.9, 1.1)
+    probs = torch.softmax(gate.gate(x * noise), -1)
+    top = probs.max(-1)
+    assert compare_tensors("score", score[:, 0], top.values, **TOL).close
+    expected = reference_limit_by_capacity(top.indices[:, None], E, math.ceil(32 / E))
+    assert torch.equal(idx, expected)
+    f = torch.bincount(top.indices, minlength=E).float() / 32
+    assert compare_tensors("loss", gate.get_loss(), E * (f * probs.mean(0)).sum(), **TOL).close
+    gate.eval()  # no jitter in eval: the gate is a function of x
+    assert torch.equal(gate(x)[0], gate(x)[0])
+
+
+def test_noisy_gate_losses():
+    torch.manual_seed(0)
+    gate = NoisyGate(D, E, 1, 2)
+    x = torch.randn(32, D)
+    gate.eval()
+    idx, score = gate(x)
+    gates = torch.zeros(32, E).scatter(1, idx, score)
+    want = cv_squared(gates.sum(0)) + cv_squared((gates > 0).sum(0).float())
+    assert compare_tensors("eval loss", gate.get_loss(), want, **TOL).close
+    gate.train()
+    gate(x)
+    loss = gate.get_loss()
+    loss.backward()
+    assert torch.isfinite(loss) and gate.w_noise.grad is not None and gate.w_noise.grad.abs().sum() > 0
+
+
+def test_collect_aux_loss_sums_and_clears():
+    model = nn.Sequential(make_layer(GShardGate, 2, dict(capacity=(2.0, 2.0))),
+                          make_layer(SwitchGate, 1, dict(capacity=(2.0, 2.0)), seed=1))
+    x = torch.randn(16, D)
+    model(x)
+    want = model[0].gate.loss + model[1].gate.loss
+    assert compare_tensors("sum", collect_aux_loss(model), want, **TOL).close
+    assert compare_tensors("clear", collect_aux_loss(model, clear=True), want, **TOL).close
+    assert float(collect_aux_loss(model)) == 0.0
+
+
+def test_custom_expert_modules_match_reference():
+    torch.manual_seed(0)
+    layer = FMoE(num_expert=3, d_model=D, top_k=2,
+                 expert=lambda d: nn.Sequential(nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d)))
+    x = torch.randn(2, 7, D)
+    (y, gx, gp), (y_ref, gx_ref, gp_ref) = run_both(layer, x)
+    assert compare_tensors("output", y, y_ref, **TOL).close
+    assert compare_tensors("input grad", gx, gx_ref, **TOL).close
+    for name in gp:
+        assert compare_tensors(name, gp[name], gp_ref[name], **TOL).close, name
+
+
+def test_fmoe_linear_layout_and_values():
+    torch.manual_seed(0)
+    lin = FMoELinear(3, 5, 7)
+    assert lin.weight.shape == (3, 7, 5) and lin.bias.shape == (3, 7)
+    lin.bias.data.normal_()
+    counts = [2, 0, 4]
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    lin.double()
+    y = lin(x, torch.tensor(counts))
+    want = torch.cat([x[:2] @ lin.weight[0].T + lin.bias[0], x[2:] @ lin.weight[2].T + lin.bias[2]])
+    assert compare_tensors("y", y, want, **TOL).close
+    w = lin.weight.detach().clone().requires_grad_()
+    b = lin.bias.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, w, b: MOELinear.apply(a, counts, w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda a, w: MOELinear.apply(a, counts, w, None), (x, w))
+
+
+def test_default_transformer_mlp_has_fastmoe_size():
+    with torch.device("meta"):
+        layer = FMoETransformerMLP()
+    n = sum(p.numel() for p in layer.parameters())
+    assert layer.experts.htoh4.weight.shape == (32, 4096, 1024)
+    assert 268e6 < n < 269e6
+
+
+@pytest.mark.parametrize("gate,top_k,kw", GATES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_zero_tokens_and_leading_dims(gate, top_k, kw):
+    layer = make_layer(gate, top_k, kw)
+    for shape in [(0, D), (2, 0, D)]:
+        x = torch.zeros(shape, requires_grad=True)
+        y = layer(x)
+        assert y.shape == shape
+        (y.sum() + collect_aux_loss(layer)).backward()
+        assert x.grad.shape == shape and collect_aux_loss(layer).item() == 0.0
+    x = torch.randn(2, 3, 5, D)
+    assert layer(x).shape == x.shape
+
+
+def test_run_experts_on_a_contiguous_buffer():
+    layer = make_layer(NaiveGate, 2)
+    x = torch.randn(9, D)
+    counts = torch.tensor([3, 0, 4, 2])
+    y = layer.run_experts(x, counts)
+    rows = [0, 0, 0, 2, 2, 2, 2, 3, 3]
+    from labutils.moe.reference import expert_on_token
+    want = torch.stack([expert_on_token(layer, e, x[i]) for i, e in enumerate(rows)])
+    assert compare_tensors("y", y, want, **TOL).close
+    with pytest.raises(ValueError, match="counts"):
+        layer.run_experts(x, torch.tensor([3, 0, 4]))
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="top_k=5"):
+        FMoETransformerMLP(num_expert=4, d_model=D, d_hidden=H, top_k=5)
+    layer = make_layer(NaiveGate, 2)
+    with pytest.raises(ValueError, match="d_model"):
+        layer(torch.randn(3, D + 1))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.ones(3, D, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="not initialised"):
+        FMoETransformerMLP(num_expert=2, d_model=D, d_hidden=H, world_size=2)
+    with pytest.raises(ValueError, match="top-1"):
+        FMoE(num_expert=4, d_model=D, top_k=2, gate=SwitchGate, expert=lambda d: nn.Linear(d, d))
+    with pytest.raises(ValueError, match="d_model -> d_model"):
+        FMoE(num_expert=2, d_model=D, expert=lambda d: nn.Linear(d, d + 1))(torch.randn(5, D))
+    with pytest.raises(ValueError, match="d_model -> d_model"):
+        FMoE(num_expert=2, d_model=D, expert=lambda d: nn.Linear(d + 1, d))(torch.randn(5, D))
+
+
+class _BadGate(nn.Module):
+    def __init__(self, d, e, w, k, bad="shape"):
+        super().__init__()
+        self.e, self.bad = e, bad
+
+    def forward(self, x):
+        T = x.shape[0]
+        if self.bad == "shape":
+            return torch.zeros(T, dtype=torch.long), torch.ones(T, 2)
+        if self.bad == "range":
+            return torch.full((T, 2), self.e), torch.ones(T, 2)
+        return torch.zeros(T, 2), torch.ones(T, 2)  # float ids
+
+
+@pytest.mark.parametrize("bad,match", [("shape", "gate_top_k_idx of shape"), ("range", "expected -1"),
+                                       ("dtype", "integer")])
+def test_bad_gate_output(bad, match):
+    layer = FMoE(num_expert=2, d_model=D, top_k=2, expert=lambda d: nn.Linear(d, d),
+                 gate=lambda d, e, w, k: _BadGate(d, e, w, k, bad))
+    with pytest.raises(ValueError, match=match):
+        layer(torch.randn(4, D))
+
+
+def test_weight_copy_between_fused_and_per_expert_layouts():
+    """Recent fastmoe stores one _Expert(1, ...) per expert; copy_moe_weights maps it to the fused layout."""
+    fused = make_layer(NaiveGate, 2)
+    torch.manual_seed(1)
+    per_expert = FMoE(num_expert=E, d_model=D, top_k=2, expert=lambda d: _Expert(1, d, H, nn.GELU()))
+    copy_moe_weights(fused, per_expert)
+    x = torch.randn(12, D)
+    g = torch.randn(12, D)
+    fused(x).backward(g)
+    per_expert(x).backward(g)
+    assert compare_tensors("y", fused(x), per_expert(x), **TOL).close
+    g1, g2 = fused_grads(fused), fused_grads(per_expert)
+    assert set(g1) == set(g2)
+    for n in g1:
+        assert compare_tensors(n, g1[n], g2[n], **TOL).close, n
+
+
+@pytest.mark.skipif(not available("fmoe") or not torch.cuda.is_available(),
+                    reason="real fastmoe (fmoe) needs CUDA and its compiled extension; not importable here")
+def test_matches_real_fastmoe():
+    from labutils.moe.fastmoe_compat import compare_with_fastmoe
+    compare_with_fastmoe().assert_ok()
