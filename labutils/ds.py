@@ -124,8 +124,11 @@ def _free_port() -> int:
 def _single_process_env() -> None:
     """Rendezvous variables for a one-process group; a fresh free port every time we own them."""
     global _OWN_ENV
-    launcher_env = "WORLD_SIZE" in os.environ and not _OWN_ENV
-    if launcher_env:  # torchrun-style variables: respect them
+    # torchrun-style variables of a multi-process job: respect them. A one-process group always gets a fresh
+    # port: WORLD_SIZE=1 / MASTER_PORT inherited from a parent process (a test run, a kernel started from a
+    # process that used DeepSpeed) may name a port that process still holds.
+    launcher_env = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _OWN_ENV
+    if launcher_env:
         os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

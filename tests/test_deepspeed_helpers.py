@@ -47,6 +47,29 @@ print(json.dumps({"a": a, "b": b, "ds": dc.is_initialized(), "world": dc.get_wor
     assert out["port"] != "29500"  # a free port, not DeepSpeed's fixed default
 
 
+def test_init_deepspeed_ignores_an_inherited_one_process_port():
+    """A kernel started by a process that used DeepSpeed inherits WORLD_SIZE=1 and a MASTER_PORT that process
+    still holds; a one-process init must pick a fresh port instead of failing with EADDRINUSE."""
+    import socket
+
+    code = """
+import os
+from labutils.ds import init_deepspeed
+init_deepspeed()
+print(os.environ["MASTER_PORT"])
+"""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                             env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() != str(port)
+
+
 def _adopt():
     import deepspeed.comm as dc
     import torch.distributed as dist
