@@ -48,7 +48,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     shapes = QUICK if args.quick else SHAPES
     picked = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(shapes))
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 9)
     out = args.out or ROOT / "benchmarks" / "results" / ("moe_layer_quick.json" if args.quick else "moe_layer.json")
     factors = () if args.no_deepspeed else (1.0, 2.0)
     before = machine_info()
@@ -59,7 +59,8 @@ def main() -> int:
         ds = [row for row in r["rows"] if row["row"].startswith("DeepSpeed")]
         r["checks"] = dict(
             ours_drops_nothing=ours["share"] == 1.0,
-            ratio_to_limit=ours["ratio_to_limit"], target_ratio=None if args.quick else TARGETS.get(i),
+            ratio_to_limit=ours["ratio_to_limit"], ratio_paired_median=ours["ratio_paired_median"],
+            target_ratio=None if args.quick else TARGETS.get(i),
             beats_deepspeed_kept=(all(ours["kept_tokens_per_s"] > row["kept_tokens_per_s"] for row in ds)
                                   if ds else None))
         print(f"checks: {r['checks']}\n", flush=True)

@@ -123,6 +123,30 @@ def test_count_by_gate_matches_loop_with_drops():
     assert counts.dtype == torch.int64 and counts.shape == (6,)
 
 
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_gather_and_combine_steps_match_their_definitions_in_float64(top_k, drop):
+    """The hand-written autograd of gather (index_select through the inverse permutation, or index_copy with
+    drops) and combine (k multiply-adds) against gradcheck, and combine against the plain weighted sum."""
+    from labutils.moe.functions import combine, gather
+    torch.manual_seed(0)
+    T, E, d = 7, 4, 5
+    idx = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
+    if drop:
+        idx[::3, 0] = -1
+    pos, _ = count_by_gate(idx, E)
+    y_sorted = torch.randn(pos.numel(), d, dtype=torch.float64, requires_grad=True)
+    score = torch.rand(T, top_k, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda y, s: combine(gather(y, pos, T * top_k), s), (y_sorted, score))
+    y_choices = torch.zeros(T * top_k, d, dtype=torch.float64)
+    y_choices[pos] = y_sorted.detach()
+    want = (score.detach().unsqueeze(-1) * y_choices.view(T, top_k, d)).sum(1)
+    assert torch.equal(gather(y_sorted, pos, T * top_k), y_choices)
+    assert torch.allclose(combine(y_choices, score), want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="rows of expert output"):
+        combine(y_choices[:-1], score)
+
+
 @pytest.mark.parametrize("capacity", [0, 1, 3, 100])
 def test_limit_by_capacity_token_order(capacity):
     torch.manual_seed(capacity)

@@ -10,7 +10,8 @@ Rows (all fp32, top-k routing, the same ``T`` tokens):
 
 ``share`` is the fraction of the ``T*top_k`` token-expert choices a row actually computed (DeepSpeed drops
 the ones over capacity); ``kept tok/s`` counts only those. Rows are timed interleaved and the best of
-``repeats`` is kept, which is the fairest figure on a shared machine; the median is reported too.
+``repeats`` is kept, which is the fairest figure on a shared machine; the median is reported too, and ``paired``
+is the median over rounds of (dense time / row time) within the same round, robust to slow drifts.
 """
 from __future__ import annotations
 
@@ -176,9 +177,11 @@ def bench_shape(T: int, d: int, h: int, E: int, top_k: int = 2, repeats: int = 5
     out = []
     for row in rows:
         best, share = min(row.times), row.share()
+        # each round times every row once, back to back: the median of the per-round ratios cancels slow drifts
+        paired = statistics.median(lim / t for lim, t in zip(rows[0].times, row.times))
         out.append(dict(row=row.name, best_ms=1e3 * best, median_ms=1e3 * statistics.median(row.times),
                         tokens_per_s=T / best, share=share, kept_tokens_per_s=share * T / best,
-                        ratio_to_limit=limit / best))
+                        ratio_to_limit=limit / best, ratio_paired_median=paired))
     clock = "thread CPU time (1 thread)" if bench_clock() is time.thread_time else "wall clock"
     result = dict(shape=dict(T=T, d=d, h=h, E=E, top_k=top_k), repeats=repeats, threads=torch.get_num_threads(),
                   clock=clock, rows=out)
@@ -192,11 +195,13 @@ def format_table(result: dict) -> str:
     head = (f"T={s['T']} d={s['d']} h={s['h']} E={s['E']} top_k={s['top_k']}, fwd+bwd fp32, best of "
             f"{result['repeats']}, {result.get('threads', '?')} thread(s), {result.get('clock', 'wall clock')} "
             f"(timings are not reproducible)")
-    cols = f"{'row':<28} {'best ms':>9} {'median ms':>10} {'tok/s':>9} {'share':>6} {'kept tok/s':>11} {'vs limit':>9}"
+    cols = (f"{'row':<28} {'best ms':>9} {'median ms':>10} {'tok/s':>9} {'share':>6} {'kept tok/s':>11} "
+            f"{'vs limit':>9} {'paired':>7}")
     lines = [head, cols]
     for r in result["rows"]:
         lines.append(f"{r['row']:<28} {r['best_ms']:>9.1f} {r['median_ms']:>10.1f} {r['tokens_per_s']:>9.0f} "
-                     f"{r['share']:>6.3f} {r['kept_tokens_per_s']:>11.0f} {r['ratio_to_limit']:>9.3f}")
+                     f"{r['share']:>6.3f} {r['kept_tokens_per_s']:>11.0f} {r['ratio_to_limit']:>9.3f} "
+                     f"{r.get('ratio_paired_median', float('nan')):>7.3f}")
     return "\n".join(lines)
 
 

@@ -49,8 +49,10 @@ class MOEGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_sorted, pos, num_choices):
         ctx.save_for_backward(pos)
-        full = pos.numel() == num_choices                                    # nothing dropped: no zero fill
-        out = (y_sorted.new_empty if full else y_sorted.new_zeros)(num_choices, y_sorted.shape[-1])
+        if pos.numel() == num_choices:  # nothing dropped: pos is a permutation; reading rows (index_select) is
+            inv = torch.empty_like(pos).index_copy_(0, pos, torch.arange(num_choices, device=pos.device))
+            return y_sorted.index_select(0, inv)                             # faster than writing them
+        out = y_sorted.new_zeros(num_choices, y_sorted.shape[-1])            # zero rows for dropped choices
         return out.index_copy_(0, pos, y_sorted)
 
     @staticmethod
@@ -69,12 +71,44 @@ def gather(y_sorted: torch.Tensor, pos: torch.Tensor, num_choices: int) -> torch
     return MOEGather.apply(y_sorted, pos, num_choices)
 
 
+class MOECombine(torch.autograd.Function):
+    """``y[t] = sum_j score[t, j] * y_choices[t*k + j]`` as ``k`` fused multiply-adds (fastmoe: one ``bmm``).
+
+    Backward: ``grad_y_choices = score * grad`` (one broadcast multiply) and ``grad_score[t, j]`` = the dot of
+    ``grad[t]`` with choice ``j``'s output. Written out by hand because autograd's version of the broadcast
+    multiply-and-sum makes three ``(T, k, d)`` temporaries, and on CPU T tiny ``bmm``s are slower still.
+    """
+
+    @staticmethod
+    def forward(ctx, y_choices, gate_score):
+        T, k = gate_score.shape
+        y = y_choices.reshape(T, k, y_choices.shape[-1])                     # (T, k, d)
+        score = gate_score.to(y.dtype)
+        out = y[:, 0] * score[:, :1]                                         # (T, d)
+        for j in range(1, k):
+            out.addcmul_(y[:, j], score[:, j:j + 1])
+        ctx.save_for_backward(y, score)
+        ctx.score_dtype = gate_score.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, score = ctx.saved_tensors                                         # (T, k, d), (T, k)
+        grad = grad.unsqueeze(1)                                             # (T, 1, d)
+        grad_y = grad_score = None
+        if ctx.needs_input_grad[0]:
+            grad_y = (grad * score.unsqueeze(-1)).reshape(-1, y.shape[-1])   # (T*k, d)
+        if ctx.needs_input_grad[1]:
+            grad_score = torch.linalg.vecdot(grad, y).to(ctx.score_dtype)    # (T, k)
+        return grad_y, grad_score
+
+
 def combine(y_choices: torch.Tensor, gate_score: torch.Tensor) -> torch.Tensor:
     """Weighted sum over each token's ``k`` choices: ``(T*k, d)`` and ``(T, k)`` -> ``(T, d)``."""
     T, k = gate_score.shape
-    y = y_choices.reshape(T, k, y_choices.shape[-1])                     # (T, k, d)
-    # fastmoe uses bmm((T,1,k), (T,k,d)); T tiny matmuls are slower on CPU than a broadcast multiply-sum
-    return (gate_score.to(y.dtype).unsqueeze(-1) * y).sum(1)
+    if y_choices.shape[0] != T * k:
+        raise ValueError(f"combine got {y_choices.shape[0]} rows of expert output for {T} tokens x top_k={k}")
+    return MOECombine.apply(y_choices, gate_score)
 
 
 def check_gate_output(gate_idx, gate_score, num_tokens: int, top_k: int, tot_expert: int):
@@ -96,7 +130,8 @@ def check_gate_output(gate_idx, gate_score, num_tokens: int, top_k: int, tot_exp
     if not gate_score.dtype.is_floating_point:
         raise ValueError(f"gate_score must be floating point, got dtype {gate_score.dtype}")
     gate_idx = gate_idx.reshape(want).long()
-    if gate_idx.numel() and (int(gate_idx.min()) < -1 or int(gate_idx.max()) >= tot_expert):
-        raise ValueError(f"gate_top_k_idx holds ids in [{int(gate_idx.min())}, {int(gate_idx.max())}]; "
+    lo, hi = (int(v) for v in torch.aminmax(gate_idx)) if gate_idx.numel() else (-1, -1)
+    if lo < -1 or hi >= tot_expert:
+        raise ValueError(f"gate_top_k_idx holds ids in [{lo}, {hi}]; "
                          f"expected -1 (dropped) or 0..{tot_expert - 1}")
     return gate_idx, gate_score.reshape(want)

@@ -17,14 +17,6 @@ def _as_list(counts) -> list:
     return counts.tolist() if torch.is_tensor(counts) else [int(c) for c in counts]
 
 
-def _segments(counts: list):
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            yield e, start, start + n
-        start += n
-
-
 class MOELinear(torch.autograd.Function):
     """``out[rows of e] = x[rows of e] @ weight[e].T + bias[e]`` for every expert ``e``; weight ``(E, out, in)``."""
 
@@ -34,11 +26,15 @@ class MOELinear(torch.autograd.Function):
         if sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts sum to {sum(counts)} but the buffer has {x.shape[0]} rows")
         out = x.new_empty(x.shape[0], weight.shape[1])                       # (N, out)
-        for e, a, b in _segments(counts):
-            if bias is None:
-                torch.mm(x[a:b], weight[e].t(), out=out[a:b])
+        biases = bias.unbind(0) if bias is not None else [None] * len(counts)
+        # split/unbind make every expert's view in one call: x_e (n_e, in), out_e (n_e, out), w_e (out, in)
+        for n, xe, oe, w, b in zip(counts, x.split(counts), out.split(counts), weight.unbind(0), biases):
+            if n == 0:
+                continue
+            if b is None:
+                torch.mm(xe, w.t(), out=oe)
             else:
-                torch.addmm(bias[e], x[a:b], weight[e].t(), out=out[a:b])
+                torch.addmm(b, xe, w.t(), out=oe)
         ctx.counts = counts
         ctx.save_for_backward(x, weight, bias)
         return out
@@ -46,20 +42,26 @@ class MOELinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
+        counts = ctx.counts
         grad_out = grad_out.contiguous()                                     # (N, out)
         need_x, _, need_w, need_b = ctx.needs_input_grad
         grad_x = x.new_empty(x.shape) if need_x else None                    # (N, in)
-        grad_w = _empty_but_unused_zero(weight, ctx.counts) if need_w else None  # (E, out, in)
-        grad_b = _empty_but_unused_zero(bias, ctx.counts) if (need_b and bias is not None) else None
-        ones = grad_out.new_ones(max(ctx.counts, default=0))                 # bias grad as a BLAS mat-vec
-        for e, a, b in _segments(ctx.counts):
-            g = grad_out[a:b]
-            if grad_x is not None:
-                torch.mm(g, weight[e], out=grad_x[a:b])
-            if grad_w is not None:
-                torch.mm(g.t(), x[a:b], out=grad_w[e])
-            if grad_b is not None:
-                torch.mv(g.t(), ones[: b - a], out=grad_b[e])
+        grad_w = _empty_but_unused_zero(weight, counts) if need_w else None  # (E, out, in)
+        grad_b = _empty_but_unused_zero(bias, counts) if (need_b and bias is not None) else None
+        ones = grad_out.new_ones(max(counts, default=0))                     # bias grad as a BLAS mat-vec
+        skip = [None] * len(counts)
+        for n, g, xe, w, gx, gw, gb in zip(counts, grad_out.split(counts), x.split(counts), weight.unbind(0),
+                                           grad_x.split(counts) if need_x else skip,
+                                           grad_w.unbind(0) if need_w else skip,
+                                           grad_b.unbind(0) if grad_b is not None else skip):
+            if n == 0:
+                continue
+            if gx is not None:
+                torch.mm(g, w, out=gx)                                       # (n, out) @ (out, in)
+            if gw is not None:
+                torch.mm(g.t(), xe, out=gw)                                  # (out, n) @ (n, in)
+            if gb is not None:
+                torch.mv(g.t(), ones[:n], out=gb)                            # (out, n) @ (n,)
         return grad_x, None, grad_w, grad_b
 
 
