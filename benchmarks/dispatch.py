@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/dispatch.py                 # full sweeps -> benchmarks/results/dispatch.json
     .venv/bin/python benchmarks/dispatch.py --quick         # tiny sizes, a smoke run -> dispatch_quick.json
     .venv/bin/python benchmarks/dispatch.py --device cuda   # the same on a GPU -> dispatch_cuda.json
+    .venv/bin/python benchmarks/dispatch.py --threads 1     # one thread, timed in its CPU time -> dispatch_1thread.json
 
 One forward+backward per design on identical weights and routing (labutils/dispatch.py), interleaved, best of
 ``--reps``. Each row: tokens/s, useful GFLOP/s, ratio to the dense limit and to the E separate MLPs, share of
@@ -83,7 +84,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cfg = QUICK if args.quick else FULL
-    suffix = ("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "")
+    suffix = (("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "")
+              + ("_1thread" if args.threads == 1 and device.type == "cpu" else ""))
     out = args.out or ROOT / "benchmarks" / "results" / f"dispatch{suffix}.json"
     start = time.perf_counter()
     d, h = cfg["d_model"], cfg["d_hidden"]

@@ -48,7 +48,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     shapes = QUICK if args.quick else SHAPES
     picked = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(shapes))
-    repeats = args.repeats or (2 if args.quick else 9)
+    repeats = args.repeats or (2 if args.quick else 15)
     out = args.out or ROOT / "benchmarks" / "results" / ("moe_layer_quick.json" if args.quick else "moe_layer.json")
     factors = () if args.no_deepspeed else (1.0, 2.0)
     before = machine_info()

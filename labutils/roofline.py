@@ -34,23 +34,34 @@ def sync(device) -> None:
 def bench(fns: dict, reps: int = 5, warmup: int = 1, device="cpu", budget_s: float | None = None) -> dict:
     """Time each ``fns[name]()`` ``reps`` times, interleaved; returns ``{name: [seconds, ...]}``.
 
+    Wall clock, or the thread's CPU time when torch runs one CPU thread (see :func:`_clock`).
+
     ``budget_s`` stops early (after at least 2 rounds) once the timed rounds have used that many seconds.
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
+    clock = _clock(device)
     start = time.perf_counter()
     for rep in range(reps):
         for name, fn in fns.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         if budget_s is not None and rep >= 1 and time.perf_counter() - start > budget_s:
             break
     return times
+
+
+def _clock(device="cpu"):
+    """Wall clock, except on CPU with ONE torch thread: that thread's CPU time, which other processes sharing the
+    cores do not inflate (every op then runs on the calling thread). Same rule as ``labutils.moe.bench``."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 def summarize(seconds: list) -> dict:
@@ -127,6 +138,7 @@ def machine_info(device="cpu", command: str | None = None) -> dict:
         "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "clock": "thread CPU time (1 thread)" if _clock(device) is time.thread_time else "wall clock",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
