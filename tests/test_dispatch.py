@@ -148,3 +148,26 @@ def test_measure_point_and_breakdown_report_every_design_and_phase():
     b = core_breakdown(p, reps=1)
     assert set(PHASES) <= set(b["total"]) and all(b["forward"][ph] > 0 for ph in PHASES)
     assert b["backward"]["expert compute"] > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bench_clock_is_cpu_time_only_with_one_thread(threads):
+    """With one torch thread the timings are the thread's CPU time, so a sleeping step costs ~0 s; with more
+    threads they are wall clock and the sleep counts. (Both benchmark helpers share the rule.)"""
+    import time
+
+    from labutils.moe.bench import bench_clock
+    from labutils.roofline import bench, machine_info
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t = bench({"sleep": lambda: time.sleep(0.05)}, reps=2, warmup=0)["sleep"]
+        clock = machine_info()["clock"]
+        moe_clock = bench_clock()
+    finally:
+        torch.set_num_threads(before)
+    if threads == 1:
+        assert max(t) < 0.02 and clock.startswith("thread CPU time") and moe_clock is time.thread_time
+    else:
+        assert min(t) >= 0.05 and clock == "wall clock" and moe_clock is time.perf_counter

@@ -362,3 +362,23 @@ def test_weight_copy_between_fused_and_per_expert_layouts():
 def test_matches_real_fastmoe():
     from labutils.moe.fastmoe_compat import compare_with_fastmoe
     compare_with_fastmoe().assert_ok()
+
+
+def test_speed_table_rows_and_ratios_are_consistent():
+    """labutils.moe.bench (chapter 01's speed table) on a tiny shape: every row present, the dense row is the
+    reference (ratios exactly 1), our layer computes every choice, and the paired ratio is a ratio of the same
+    rounds. Timings themselves are not asserted."""
+    from labutils.moe.bench import bench_shape, format_table
+
+    r = bench_shape(T=64, d=16, h=32, E=4, repeats=3, deepspeed_factors=(), verbose=False)
+    rows = {row["row"]: row for row in r["rows"]}
+    assert list(rows) == ["dense (limit)", "E MLPs, pre-sliced", "naive loop", "ours (FMoETransformerMLP)"]
+    assert rows["dense (limit)"]["ratio_to_limit"] == 1.0 and rows["dense (limit)"]["ratio_paired_median"] == 1.0
+    ours = rows["ours (FMoETransformerMLP)"]
+    assert ours["share"] == 1.0 and ours["kept_tokens_per_s"] == ours["tokens_per_s"]
+    for row in rows.values():
+        assert row["best_ms"] > 0 and row["median_ms"] >= row["best_ms"]
+        assert math.isclose(row["ratio_to_limit"], rows["dense (limit)"]["best_ms"] / row["best_ms"])
+        assert row["ratio_paired_median"] > 0
+    table = format_table(r)
+    assert "paired" in table and "ours (FMoETransformerMLP)" in table
