@@ -183,7 +183,10 @@ def test_nccl_backend_on_gpus():
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time, torch, torch.distributed as dist
+    import signal, sys, time, torch, torch.distributed as dist
+    # a Jupyter kernel turns SIGINT into KeyboardInterrupt; a process started from a shell's background job
+    # (CI scripts often are) inherits SIGINT *ignored*, and Python then leaves it ignored: install it explicitly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     from labutils import launch
     def stuck():
