@@ -7,7 +7,8 @@
 
 Forward + backward, fp32, CPU, top-2. Targets (issue 3): ours keeps every token, reaches >= 0.95 of the dense
 limit at shape 1 and >= 0.85 at shape 2, and beats DeepSpeed in kept tokens/s. Rows are interleaved and the
-best of --repeats is reported: on a shared machine the numbers are still noisy. By default glibc is asked to keep
+best of --repeats (15) is reported, with the median over rounds of (dense time / row time) as `paired`: on a
+shared machine two-thread wall-clock ratios still move by ~10% from run to run. By default glibc is asked to keep
 freed memory (as jemalloc/tcmalloc do), for every row alike; --system-malloc measures glibc's defaults.
 """
 from __future__ import annotations
