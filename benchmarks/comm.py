@@ -11,7 +11,6 @@ On a machine with fewer cores than workers the ranks share cores: that cost is m
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -22,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labutils.launch import launch  # noqa: E402
-from labutils.roofline import machine_info  # noqa: E402
+from labutils.roofline import machine_info, save_result  # noqa: E402
 
 
 def all_to_all_times(sizes: list, reps: int) -> dict:
@@ -72,8 +71,7 @@ def main() -> int:
                   f"{nbytes / seconds / 1e9:6.2f} GB/s per rank", flush=True)
     result["elapsed_s"] = time.perf_counter() - start
     out = args.out or ROOT / "benchmarks" / "results" / ("comm_quick.json" if args.quick else "comm.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out} in {result['elapsed_s']:.0f} s")
+    print(f"wrote {save_result(result, out, ROOT)} in {result['elapsed_s']:.0f} s")
     return 0
 
 

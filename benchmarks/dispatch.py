@@ -13,7 +13,6 @@ per expert, and the machine's matmul GFLOP/s (the roofline). Chapter 08 reads th
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from labutils.dispatch import DESIGNS, make_problem  # noqa: E402
 from labutils.optional import available  # noqa: E402
-from labutils.roofline import core_breakdown, machine_info, matmul_gflops, measure_point  # noqa: E402
+from labutils.roofline import core_breakdown, machine_info, matmul_gflops, measure_point, save_result  # noqa: E402
 
 FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=8, budget_s=8,
             experts=dict(tokens=1024, num_expert=[4, 8, 16, 32, 64, 128]),
@@ -121,9 +120,7 @@ def main() -> int:
                                                                  for k, v in b["total"].items()), flush=True)
     result["skipped"] = sorted(set(skipped))
     result["elapsed_s"] = time.perf_counter() - start
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} in {result['elapsed_s']:.0f} s")
+    print(f"wrote {save_result(result, out, ROOT)} in {result['elapsed_s']:.0f} s")
     return 0
 
 

@@ -12,7 +12,6 @@ the model is built, reported as ``baseline``) and activations. Needs ~6 GB of fr
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import resource
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from labutils.data import RandomPairs  # noqa: E402
 from labutils.params import count_params  # noqa: E402
+from labutils.roofline import save_result  # noqa: E402
 from labutils.train import mse, train  # noqa: E402
 from labutils.transformer import AUX_COEF, aux_loss, book_model  # noqa: E402
 
@@ -102,8 +102,7 @@ def main() -> None:
     print(f"peak RSS {result['peak_rss_bytes'] / GB:.2f} GB (PyTorch alone {result['baseline_rss_bytes'] / GB:.2f} GB)"
           f" = {result['peak_over_theory']:.2f}x theory; above baseline {result['above_baseline_over_theory']:.2f}x")
     out = ROOT / "benchmarks" / "results" / ("full_scale_quick.json" if args.quick else "full_scale.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print("wrote", out.relative_to(ROOT))
+    print("wrote", save_result(result, out, ROOT))
 
 
 if __name__ == "__main__":

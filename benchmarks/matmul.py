@@ -9,7 +9,6 @@ show how much of it an expert with few tokens can use (the E-separate-MLPs limit
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -19,7 +18,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.roofline import machine_info, matmul_gflops  # noqa: E402
+from labutils.roofline import machine_info, matmul_gflops, save_result  # noqa: E402
 
 
 def main() -> int:
@@ -52,8 +51,7 @@ def main() -> int:
     result["elapsed_s"] = time.perf_counter() - start
     name = "matmul" + ("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "") + ".json"
     out = args.out or ROOT / "benchmarks" / "results" / name
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out} in {result['elapsed_s']:.0f} s")
+    print(f"wrote {save_result(result, out, ROOT)} in {result['elapsed_s']:.0f} s")
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import sys
 
@@ -23,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labutils.moe.bench import bench_shape, machine_info, retain_freed_memory  # noqa: E402
+from labutils.roofline import save_result  # noqa: E402
 
 SHAPES = [dict(T=4096, d=512, h=2048, E=16), dict(T=1024, d=256, h=1024, E=8), dict(T=4096, d=256, h=512, E=64)]
 QUICK = [dict(T=256, d=64, h=128, E=4)]
@@ -70,9 +70,7 @@ def main() -> int:
                   command=" ".join([pathlib.Path(sys.executable).name, *sys.argv]), device="cpu",
                   allocator="glibc, freed memory kept (mallopt)" if retained else "glibc defaults",
                   machine_before=before, machine_after=machine_info(), shapes=results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    print(f"wrote {save_result(record, out, ROOT)}")
     return 0
 
 

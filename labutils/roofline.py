@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import json
 import os
 import platform
 import statistics
@@ -21,8 +22,8 @@ import time
 
 import torch
 
-__all__ = ["sync", "bench", "summarize", "matmul_gflops", "peak_memory", "machine_info", "cpu_model", "measure_point",
-           "core_breakdown", "labelled_core_steps", "PHASES"]
+__all__ = ["sync", "bench", "summarize", "save_result", "matmul_gflops", "peak_memory", "machine_info", "cpu_model",
+           "measure_point", "core_breakdown", "labelled_core_steps", "PHASES"]
 
 
 def sync(device) -> None:
@@ -62,6 +63,17 @@ def _clock(device="cpu"):
     if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
+
+
+def save_result(record: dict, out, root=None) -> str:
+    """Write a benchmark record to ``out`` as indented JSON (creating its folder); returns the path to print,
+    relative to ``root`` when ``out`` lies under it. The benchmark scripts write their results with it."""
+    import pathlib
+
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return str(out.relative_to(root)) if root is not None and out.is_relative_to(root) else str(out)
 
 
 def summarize(seconds: list) -> dict:

@@ -171,3 +171,14 @@ def test_bench_clock_is_cpu_time_only_with_one_thread(threads):
         assert max(t) < 0.02 and clock.startswith("thread CPU time") and moe_clock is time.thread_time
     else:
         assert min(t) >= 0.05 and clock == "wall clock" and moe_clock is time.perf_counter
+
+
+def test_save_result_writes_json_and_reports_a_relative_path(tmp_path):
+    import json
+
+    from labutils.roofline import save_result
+
+    out = tmp_path / "results" / "x.json"
+    assert save_result({"a": [1, 2.5]}, out, tmp_path) == "results/x.json"
+    assert json.loads(out.read_text()) == {"a": [1, 2.5]} and out.read_text().endswith("\n")
+    assert save_result({}, out, tmp_path / "elsewhere") == str(out)
