@@ -13,29 +13,38 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export JUPYTER_PATH         := $(CURDIR)/$(VENV)/share/jupyter
 export PYTHONHASHSEED       := 0
 
-.PHONY: book test lab venv lint unit nbval execute student student-check bench clean
+QUICK  := not dist and not kernel and not browser and not gpu
 
-venv:
+.PHONY: help book test lab venv lint quick unit nbval execute student student-check bench hooks clean
+
+help:  ## this list
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 24
+
+venv:  ## create .venv (first use only; every other target does it for you)
 	@$(PYTHON) tools/setup_env.py
 
-book: venv
+book: venv  ## execute every chapter into build/ (HTML too), one line per chapter
 	$(BIN)/python tools/execute.py --all --out build
 
-test: venv
-	$(BIN)/ruff check labutils tests benchmarks tools
+test: venv lint  ## lint, then unit tests + nbval over every notebook + browser test
 	$(BIN)/python -m pytest tests --nbval-lax --sanitize-with notebooks/nbval_sanitize.cfg notebooks
 
-lab: venv
+lab: venv  ## JupyterLab on notebooks/ with the lab's kernel
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # --- for authors --------------------------------------------------------------------------------
-lint: venv
+lint: venv  ## ruff, pyright (basic, public API) and notebook hygiene
 	$(BIN)/ruff check labutils tests benchmarks tools
+	$(BIN)/basedpyright --level error
+	$(BIN)/python tools/nbhygiene.py
 
-unit: venv
+quick: venv  ## unit tests without workers, kernels or a browser (under a minute)
+	$(BIN)/python -m pytest tests -q -m "$(QUICK)"
+
+unit: venv  ## every test in tests/ (no nbval)
 	$(BIN)/python -m pytest tests
 
-nbval: venv
+nbval: venv  ## every notebook under nbval
 	$(BIN)/python -m pytest --nbval-lax --sanitize-with notebooks/nbval_sanitize.cfg notebooks
 
 execute: venv  ## refresh the committed outputs: make execute [NB=notebooks/01_fastmoe_core.ipynb]
@@ -47,8 +56,12 @@ student: venv  ## student copies with solutions stripped, under build/student/
 student-check: venv  ## execute every student copy: runs up to the exercises, checkers fail on blanks
 	$(BIN)/python tools/student.py --check
 
-bench: venv
+bench: venv  ## the launcher benchmark (others: python benchmarks/<name>.py)
 	$(BIN)/python benchmarks/launch.py
 
-clean:
+hooks: venv  ## install pre-commit (pinned) and register .pre-commit-config.yaml's local hooks
+	$(BIN)/pip install -q pre-commit==4.7.0
+	$(BIN)/pre-commit install
+
+clean:  ## remove build/ and pytest caches
 	rm -rf build .pytest_cache

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/comm.py            # 2, 4, 8 workers -> benchmarks/results/comm.json
     .venv/bin/python benchmarks/comm.py --quick    # 2 workers, few sizes -> comm_quick.json
 
-Each rank sends ``bytes_per_rank`` in total, split evenly over the ranks (``labutils.dist.all_to_all``, the
+Each rank sends ``bytes_per_rank`` in total, split evenly over the ranks (``labutils.collectives.all_to_all``, the
 differentiable exchange of chapter 06, forward only). Time per call: the slowest rank's median over ``reps``,
 each call started after a barrier. Workers come from ``labutils.launch`` (fresh processes).
 On a machine with fewer cores than workers the ranks share cores: that cost is measured, not hidden.
@@ -20,8 +20,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.launch import launch  # noqa: E402
-from labutils.roofline import machine_info, save_result  # noqa: E402
+from labutils.launcher import launch  # noqa: E402
+from labutils.perf.timing import fit_latency_bandwidth, machine_info, save_result  # noqa: E402
 
 
 def all_to_all_times(sizes: list, reps: int) -> dict:
@@ -30,7 +30,7 @@ def all_to_all_times(sizes: list, reps: int) -> dict:
 
     import torch.distributed as dist
 
-    from labutils.dist import all_to_all
+    from labutils.collectives import all_to_all
 
     world, row = dist.get_world_size(), 64
     out = {}
@@ -61,7 +61,8 @@ def main() -> int:
     sizes = [2 ** p for p in (range(12, 22, 3) if args.quick else range(10, 25, 2))]  # 1 KiB .. 16 MiB
     reps = 3 if args.quick else 7
     start = time.perf_counter()
-    result = {"machine": machine_info("cpu"), "backend": "gloo", "reps": reps, "rows": []}
+    machine = machine_info("cpu")
+    result = {"machine": machine, "backend": "gloo", "reps": reps, "rows": [], "fits": {}}
     for world in worlds:
         per_rank = launch(all_to_all_times, world, sizes, reps, backend="gloo", timeout=240, threads=1)
         for nbytes, seconds in per_rank[0].items():
@@ -69,6 +70,12 @@ def main() -> int:
                                    "gb_per_s_per_rank": nbytes / seconds / 1e9})
             print(f"world {world}  {nbytes / 2 ** 10:>8.0f} KiB per rank  {seconds * 1e3:8.2f} ms  "
                   f"{nbytes / seconds / 1e9:6.2f} GB/s per rank", flush=True)
+        fit = fit_latency_bandwidth(list(per_rank[0]), list(per_rank[0].values()))
+        fit["workers_per_core"] = world / machine["cores"]
+        result["fits"][str(world)] = fit
+        print(f"world {world} on {machine['cores']} cores ({fit['workers_per_core']:.1f} workers per core): "
+              f"t = {fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bandwidth_gb_s']:.2f} GB/s "
+              f"(worst point off by {100 * fit['max_rel_error']:.0f}%)", flush=True)
     result["elapsed_s"] = time.perf_counter() - start
     out = args.out or ROOT / "benchmarks" / "results" / ("comm_quick.json" if args.quick else "comm.json")
     print(f"wrote {save_result(result, out, ROOT)} in {result['elapsed_s']:.0f} s")

@@ -22,9 +22,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.dispatch import DESIGNS, make_problem  # noqa: E402
 from labutils.optional import available  # noqa: E402
-from labutils.roofline import core_breakdown, machine_info, matmul_gflops, measure_point, save_result  # noqa: E402
+from labutils.perf.dispatch import DESIGNS, make_problem  # noqa: E402
+from labutils.perf.sweep import core_breakdown, measure_point  # noqa: E402
+from labutils.perf.timing import machine_info, matmul_gflops, save_result  # noqa: E402
 
 FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=8, budget_s=8,
             experts=dict(tokens=1024, num_expert=[4, 8, 16, 32, 64, 128]),

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/full_scale.py            # book scale, warm-up + 3 timed steps -> full_scale.json
     .venv/bin/python benchmarks/full_scale.py --quick    # chapter 03's tiny model, a smoke run -> full_scale_quick.json
 
-The model is ``labutils.transformer.book_model`` (one pre-norm block, 5 x 1024^2 attention, 32 experts of
+The model is ``labutils.models.book_model`` (one pre-norm block, 5 x 1024^2 attention, 32 experts of
 1024 -> 4096 -> 1024, top-2 NaiveGate) trained with Adam on random (batch, seq, 1024) data, as chapter 03's
 ``LAB_PRESET=full`` run. Theory in fp32: parameters + gradients + Adam's two moments = 16 bytes x parameters.
 Peak RSS is the process's high-water mark (``ru_maxrss``), which also holds PyTorch itself (measured before
@@ -23,10 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labutils.data import RandomPairs  # noqa: E402
+from labutils.models import AUX_COEF, book_model  # noqa: E402
+from labutils.moe import collect_aux_loss  # noqa: E402
 from labutils.params import count_params  # noqa: E402
-from labutils.roofline import save_result  # noqa: E402
+from labutils.perf.timing import save_result  # noqa: E402
 from labutils.train import mse, train  # noqa: E402
-from labutils.transformer import AUX_COEF, aux_loss, book_model  # noqa: E402
 
 GB = 1e9
 
@@ -51,7 +52,7 @@ def run(sizes: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
     for _ in range(steps):  # the same step as train(), each phase timed on its own
         x, y = data.next_batch()
         t = [time.perf_counter()]
-        loss = mse(model(x), y) + AUX_COEF * aux_loss(model)
+        loss = mse(model(x), y) + AUX_COEF * collect_aux_loss(model, clear=True)
         t.append(time.perf_counter())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -48,5 +48,38 @@ def deprecated(alias_name: str, new_callable, since: str, removed_in: str | None
 
     alias.__name__ = alias.__qualname__ = alias_name
     alias.__doc__ = f"Deprecated: {message}.\n\n{new_callable.__doc__ or ''}".rstrip()
-    alias.__deprecated__ = message  # PEP 702's marker, read by type checkers and IDEs
+    # PEP 702's marker, read by type checkers and IDEs
+    alias.__deprecated__ = message  # pyright: ignore[reportAttributeAccessIssue]
     return alias
+
+
+def moved_module(old: str, *new: str, since: str = "0.2.0", removed_in: str = "1.0.0"):
+    """The ``__getattr__`` of a module that moved: ``old.name`` forwards to ``new.name`` with a warning.
+
+    A moved module keeps a three-line file at its old path (``labutils/dist.py`` after the move to
+    ``labutils/collectives.py``)::
+
+        from ._deprecate import moved_module
+        __getattr__ = moved_module(__name__, "collectives")
+
+    so ``from labutils.dist import all_to_all`` keeps working until ``removed_in``, with a warning. Each of
+    ``new`` (tried in order, for a module split in two) is relative to the top package, so a renamed copy of
+    the package (``mylab/``) keeps its shims working.
+    """
+    import importlib
+
+    top = old.split(".")[0]
+    targets = [f"{top}.{n}" for n in new]
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        for target in targets:
+            module = importlib.import_module(target)
+            if hasattr(module, name):
+                warnings.warn(f"{old} moved to {target} in labutils {since} (the old path goes in {removed_in}): "
+                              f"use {target}.{name}", DeprecationWarning, stacklevel=2)
+                return getattr(module, name)
+        raise AttributeError(f"module {old!r} (moved to {' and '.join(targets)}) has no attribute {name!r}")
+
+    return __getattr__

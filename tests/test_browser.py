@@ -18,6 +18,7 @@ chapter's screenshot to ``docs/jupyterlab.png`` (the README's picture).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -82,7 +83,7 @@ class Lab:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")  # containers and CI run as root
         self.log_path = tmp / "jupyterlab.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, cwd=tmp)
@@ -138,10 +139,8 @@ class Lab:
             self.proc.wait(timeout=10)
         survivors = {pid for pid in self.children if _alive(pid)}
         for pid in survivors:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self._log.close()
         return survivors
 

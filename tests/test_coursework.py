@@ -139,7 +139,7 @@ for name in ("deepspeed", "fmoe"):
 import labutils
 
 assert pathlib.Path(labutils.__file__).resolve() == PROJECT / "labutils" / "__init__.py", labutils.__file__
-assert labutils.__version__ == "0.1.0", labutils.__version__
+assert labutils.__version__ == sys.argv[2], (labutils.__version__, sys.argv[2])
 modules = [m.name for m in pkgutil.walk_packages(labutils.__path__, "labutils.")]
 for name in modules:
     mod = importlib.import_module(name)
@@ -183,7 +183,9 @@ fig.savefig(PROJECT / "loss.png")
 assert (PROJECT / "loss.png").stat().st_size > 1000
 print("plot saved")
 
-from labutils import dispatch, ds, optional, transformer
+from labutils import ds, optional
+from labutils import models as transformer
+from labutils.perf import dispatch
 
 assert not optional.available("deepspeed") and not optional.available("fmoe")
 DS = ("deepspeed", "pip install deepspeed")
@@ -221,19 +223,23 @@ def test_copy_works_alone_without_optional_packages(tmp_path):
     (project / "smoke.py").write_text(SMOKE)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "LAB_", "JUPYTER"))}
     env.update(PYTHONPATH=str(hide), MPLBACKEND="agg", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "smoke.py", str(ROOT)], cwd=project, env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "smoke.py", str(ROOT), _newest_release()], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and "COURSEWORK OK" in proc.stdout, proc.stdout + proc.stderr
 
 
 # -- versions: deprecate, do not delete ---------------------------------------------------------------------
 
+def _newest_release() -> str:
+    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert released, "CHANGELOG.md lists no release"
+    return released[0]
+
+
 def test_version_matches_the_changelog():
     import labutils
 
-    text = (ROOT / "CHANGELOG.md").read_text()
-    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", text, flags=re.M)
-    assert released and released[0] == labutils.__version__, (released, labutils.__version__)
+    assert _newest_release() == labutils.__version__, (_newest_release(), labutils.__version__)
 
 
 def _changelog_names() -> set:
@@ -315,3 +321,109 @@ def test_deprecated_rejects_bad_arguments():
         deprecated("not a name", _new, since="0.2.0")
     with pytest.raises(TypeError, match="callable"):
         deprecated("a", 42, since="0.2.0")
+
+
+# -- the 0.2.0 layout: old import paths still work, with a warning ------------------------------------------
+
+MOVED = {  # old module -> (new module, a public name to follow through the shim)
+    "labutils.launch": ("labutils.launcher", "default_backend"),
+    "labutils.entry": ("labutils.torchrun", "init_from_env"),
+    "labutils.dist": ("labutils.collectives", "all_to_all"),
+    "labutils.parallel": ("labutils.data_parallel", "GroupedDataParallel"),
+    "labutils.moe.parallel": ("labutils.moe.expert_parallel", "exchange_and_run"),
+    "labutils.comm": ("labutils.moe.traffic", "token_matrix"),
+    "labutils.ds_gating": ("labutils.ds.gating", "ds_capacity"),
+    "labutils.roofline": ("labutils.perf.timing", "matmul_gflops"),
+    "labutils.dispatch": ("labutils.perf.dispatch", "make_problem"),
+    "labutils.moe.bench": ("labutils.perf.layer_bench", "bench_shape"),
+    "labutils.transformer": ("labutils.models", "CharLM"),
+    "labutils.envreport": ("labutils.nbtools", "env_report"),
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_import_paths_forward_with_a_warning(old):
+    new, name = MOVED[old]
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} moved to {re.escape(new)}.*1\.0\.0"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        _ = importlib.import_module(old).not_a_name
+
+
+def test_roofline_split_in_two_still_forwards_both_halves():
+    import labutils.perf.sweep as sweep
+
+    with pytest.warns(DeprecationWarning, match="labutils.perf.sweep"):
+        from labutils.roofline import core_breakdown
+    assert core_breakdown is sweep.core_breakdown
+
+
+def test_launch_is_the_function_and_old_entry_module_still_runs():
+    import labutils
+
+    assert callable(labutils.launch) and labutils.launch.__module__ == "labutils.launcher"
+    import labutils.launch as same  # the 0.1.0 module path must not shadow the function
+
+    assert same is labutils.launch or callable(same)
+    out = subprocess.run([sys.executable, "-m", "labutils.entry", "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "module:function" in out.stdout, out.stderr
+
+
+def test_no_import_cycles_and_no_import_climbs_up():
+    """The package's import graph (module level and inside functions) has no cycle, and the layers hold:
+    foundation modules never import the MoE core, the core never imports models/training/perf/ds (except
+    the one capacity formula in ds.gating), and nothing but perf/ imports perf/."""
+    import graphlib
+
+    def module_name(path):
+        rel = path.relative_to(ROOT).with_suffix("")
+        return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+    graph, shims = {}, set()
+    for path in _package_files():
+        name = module_name(path)
+        text = path.read_text()
+        if "moved_module(__name__" in text:  # labutils/entry.py, the one shim file
+            shims.add(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node, _top, level, _ in _imports(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", level - 1)[0] if level else ""
+                target = ".".join(p for p in (base, node.module) if p)
+                cands = [target] + [f"{target}.{a.name}" for a in node.names]
+            else:
+                cands = [a.name for a in node.names]
+            deps |= {c for c in cands if c.startswith("labutils") and c != name}
+        graph[name] = deps
+    modules = set(graph)
+    graph = {m: {d for d in deps if d in modules and d not in shims and d != "labutils"}
+             for m, deps in graph.items() if m not in shims and m != "labutils"}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+    def layer(m):
+        short = m.removeprefix("labutils.")
+        if short.startswith("perf"):
+            return 5
+        if short.startswith(("models", "train", "toys", "data_parallel", "ds.runtime", "ds")):
+            return 4 if short != "ds.gating" else 1
+        if short.startswith("moe"):
+            return 3
+        return 1  # foundation: launcher, collectives, compare, presets, plotting, params, nbtools, ...
+
+    climbs = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+              if layer(d) > layer(m) and d != "labutils.ds.gating"]
+    assert not climbs, "imports that climb back up a layer:\n" + "\n".join(sorted(climbs))
+    assert graph["labutils.moe.traffic"] >= {"labutils.ds.gating"}  # the one capacity formula
+
+
+def test_developing_layout_table_lists_every_module():
+    """DEVELOPING.md's layout table names every module on disk, and nothing that is not there."""
+    text = (ROOT / "DEVELOPING.md").read_text()
+    table = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(labutils/[\w/]+\.py)`", table)) - {"labutils/__init__.py"}
+    on_disk = {str(p.relative_to(ROOT)) for p in _package_files() if p.name != "__init__.py"}
+    assert on_disk - listed == set(), f"modules missing from DEVELOPING.md's layout table: {on_disk - listed}"
+    assert listed - on_disk == set(), f"DEVELOPING.md lists modules that do not exist: {listed - on_disk}"

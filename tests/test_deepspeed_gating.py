@@ -1,8 +1,8 @@
-"""labutils.ds_gating re-derives DeepSpeed's gating: bit-exact against deepspeed.moe.sharded_moe (0.19.8)."""
+"""labutils.ds.gating re-derives DeepSpeed's gating: bit-exact against deepspeed.moe.sharded_moe (0.19.8)."""
 import pytest
 import torch
 
-from labutils.ds_gating import (
+from labutils.ds.gating import (
     Routing,
     ds_capacity,
     exact_capacity,
@@ -113,6 +113,34 @@ def test_capacity_float32_quirk(sm):
     gates = torch.zeros(100, 4)
     assert int(sm._capacity(gates, torch.tensor(1.2), torch.tensor(0))) == 31
     assert ds_capacity(3, 4, 1.0, 2, min_capacity=4) == 4  # min_capacity floor
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_one_capacity_formula_matches_a_real_topkgate(sm, k):
+    """THE capacity formula (labutils.ds.gating.ds_capacity) and every helper that calls it, against the capacity a
+    real TopKGate reports, at the factors where float32 rounding matters and odd token counts."""
+    from labutils.moe.traffic import deepspeed_bytes, deepspeed_capacity
+
+    torch.manual_seed(0)
+    checked = 0
+    for cf in (1.0, 1.2, 1.25, 2.0):
+        for tokens in (7, 33, 100, 101):
+            gate = sm.TopKGate(8, 4, k=k, capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0,
+                               use_rts=False, top2_2nd_expert_sampling=False)
+            theirs = routing_from_deepspeed(gate(torch.randn(tokens, 8), None, True)).capacity
+            assert ds_capacity(tokens, 4, cf, k) == theirs, (cf, tokens, k)
+            assert deepspeed_capacity(tokens, 4, cf, top_k=k, min_capacity=0) == theirs, (cf, tokens, k)
+            assert deepspeed_bytes(tokens, 4, 2, 8, 4, cf, top_k=k, min_capacity=0) == 4 * theirs * 8 * 4 // 2
+            checked += 1
+    assert checked == 16
+
+
+def test_capacity_helpers_have_one_source():
+    """The negative control of the test above: the old traffic helper used exact arithmetic and gave 30 here."""
+    from labutils.moe.traffic import deepspeed_capacity
+
+    assert exact_capacity(100, 4, 1.2, 1) == 30
+    assert deepspeed_capacity(100, 4, 1.2, min_capacity=0) == ds_capacity(100, 4, 1.2, 1) == 31
 
 
 def test_top1_batch_smaller_than_min_capacity(sm):

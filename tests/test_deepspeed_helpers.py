@@ -1,5 +1,6 @@
 """labutils.ds: DeepSpeed in one process and in launch workers, the prebuilt op, quiet output,
-ep_size=2 parity and the capacity-agreement guard (all with the real DeepSpeed, never mocked)."""
+ep_size=2 parity and the capacity-agreement guard (all with the real DeepSpeed, never mocked). The ep_size=2 and
+capacity-guard workers are chapter 02's, imported from labutils.toys."""
 import json
 import os
 import pathlib
@@ -9,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from labutils.launch import WorkerError, launch
+from labutils.launcher import WorkerError, launch
+from labutils.toys import capacity_pitfall, ep_parity
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 D, E = 8, 4
@@ -98,10 +100,9 @@ def test_quiet_swallows_c_level_output_and_keeps_it_on_error(ds, capfd):
         os.write(2, b"c level err\n")
     captured = capfd.readouterr()
     assert "level" not in captured.out + captured.err
-    with pytest.raises(RuntimeError) as info:
-        with ds.quiet():
-            os.write(1, b"linker says hi\n")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError) as info, ds.quiet():
+        os.write(1, b"linker says hi\n")
+        raise RuntimeError("boom")
     assert "linker says hi" in "\n".join(getattr(info.value, "__notes__", []))
 
 
@@ -134,51 +135,13 @@ def test_shard_for_rank_maps_local_experts_to_global_ones(ds):
     assert mapped["1.deepspeed_moe.gate.wg.weight"] == full["1.deepspeed_moe.gate.wg.weight"]
 
 
-def _ep_parity(k):
-    """One rank: ep_size=1 (all experts, own tokens) vs ep_size=2 (its half of the experts)."""
-    import torch
-    import torch.distributed as dist
-
-    from labutils.ds import init_deepspeed, quiet, shard_for_rank
-
-    init_deepspeed()
-    from deepspeed.moe.layer import MoE
-
-    rank = dist.get_rank()
-
-    def build(ep_size):
-        torch.manual_seed(0)
-        return MoE(D, torch.nn.Linear(D, D), num_experts=E, ep_size=ep_size, k=k, capacity_factor=1.0,
-                   min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)
-
-    full, sharded = build(1), build(2)
-    with torch.no_grad():
-        for p in full.deepspeed_moe.experts.parameters():
-            p.copy_(torch.randn_like(p))
-    with quiet():
-        sharded.set_deepspeed_parallelism()
-    sharded.load_state_dict(shard_for_rank(full.state_dict(), sharded, rank))
-    torch.manual_seed(1 + rank)
-    x, target = torch.randn(24, D), torch.randn(24, D)
-    outs = {}
-    for name, model in (("ep1", full), ("ep2", sharded)):
-        y, l_aux, _ = model(x)
-        (((y - target) ** 2).mean() + 0.01 * l_aux).backward()
-        outs[name] = y.detach()
-    grads1 = {n: p.grad.clone() for n, p in full.named_parameters()}
-    for n, g in grads1.items():
-        if "deepspeed_experts" in n:
-            dist.all_reduce(g)
-    return outs, shard_for_rank(grads1, sharded, rank), {n: p.grad for n, p in sharded.named_parameters()}
-
-
 def _ep_parity_k12():
-    return {k: _ep_parity(k) for k in (1, 2)}
+    return {k: ep_parity(D, E, k, 24) for k in (1, 2)}  # one launch for both k
 
 
 @pytest.fixture(scope="module")
 def ep_parity_results():
-    return launch(_ep_parity_k12, 2, timeout=180)  # one launch for both k
+    return launch(_ep_parity_k12, 2, timeout=180)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -186,47 +149,24 @@ def test_ep_size_2_matches_ep_size_1(ep_parity_results, k):
     from labutils.compare import compare_models
 
     for rank, per_k in enumerate(ep_parity_results):
-        outs, grads1, grads2 = per_k[k]
+        res = per_k[k]
+        outs = res["out"]
         torch.testing.assert_close(outs["ep2"], outs["ep1"], atol=1e-6, rtol=1e-5)
         assert not torch.equal(outs["ep1"], torch.zeros_like(outs["ep1"]))
-        report = compare_models(grads2, grads1, "grads", atol=1e-6, rtol=1e-5)
+        report = compare_models(res["grads_ep2"], res["grads_ep1"], "grads", atol=1e-6, rtol=1e-5)
         assert report.ok, f"rank {rank}\n{report.table()}"
-        assert len(report.diffs) == 1 + 2 * 2  # gate + 2 local experts x (weight, bias)
-
-
-def _mismatch(guard, fix):
-    import torch
-    import torch.distributed as dist
-
-    from labutils.ds import CapacityMismatchError, init_deepspeed, install_capacity_guard, quiet
-
-    init_deepspeed()
-    from deepspeed.moe.layer import MoE
-
-    torch.manual_seed(0)
-    moe = MoE(D, torch.nn.Linear(D, D), num_experts=E, ep_size=2, k=1, drop_tokens=False, use_rts=False)
-    if fix:
-        with quiet():
-            moe.set_deepspeed_parallelism()
-    handles = install_capacity_guard(moe) if guard else []
-    torch.manual_seed(1)
-    x = torch.randn(16, D) if dist.get_rank() == 0 else torch.randn(1, D) + 0.01 * torch.randn(16, D)
-    try:
-        moe(x)
-    except CapacityMismatchError as exc:
-        return ("error", str(exc), len(handles))
-    return ("ran", "", len(handles))
+        assert len(report.diffs) == 1 + 2 * 4  # gate + 2 local experts x (2 Linear layers x (weight, bias))
 
 
 def test_capacity_guard_turns_the_all_to_all_mismatch_into_a_clear_error():
-    guarded = launch(_mismatch, 2, True, False, timeout=120)
-    for kind, message, handles in guarded:
-        assert kind == "error" and handles == 1
+    guarded = launch(capacity_pitfall, 2, D, E, True, False, timeout=120)
+    for message in guarded:
+        assert message.startswith("CapacityMismatchError: MoE layer 0:"), message  # the one guarded layer
         assert "disagree on the expert capacity" in message and "set_deepspeed_parallelism" in message
-    fixed = launch(_mismatch, 2, True, True, timeout=120)
-    assert [r[0] for r in fixed] == ["ran", "ran"]  # the expert group's all-reduce(MAX) makes them agree
+    fixed = launch(capacity_pitfall, 2, D, E, True, True, timeout=120)
+    assert [r.split(":")[0] for r in fixed] == ["ran", "ran"]  # the expert group's all-reduce(MAX) makes them agree
 
 
 def test_unguarded_mismatch_fails_in_the_worker_not_silently():
     with pytest.raises(WorkerError, match="size|collective|SIGABRT|Connection"):
-        launch(_mismatch, 2, False, False, timeout=60)
+        launch(capacity_pitfall, 2, D, E, False, False, timeout=60)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from labutils.compare import compare_tensors
-from labutils.dispatch import (
+from labutils.moe import count_by_gate
+from labutils.optional import available
+from labutils.perf.dispatch import (
     DESIGNS,
     DeepSpeedMoE,
     build_designs,
@@ -18,9 +20,8 @@ from labutils.dispatch import (
     route,
     separate,
 )
-from labutils.moe import count_by_gate
-from labutils.optional import available
-from labutils.roofline import PHASES, core_breakdown, measure_point, peak_memory
+from labutils.perf.sweep import PHASES, core_breakdown, measure_point
+from labutils.perf.timing import peak_memory
 
 TOL = 1e-5
 HAVE_DS = available("deepspeed")
@@ -63,15 +64,16 @@ def test_all_designs_agree_with_the_loop(top_k):
 
 def test_core_is_the_lab_layer_unchanged():
     """`core` feeds the problem's tensors into labutils.moe.FMoETransformerMLP: same as running that layer."""
-    from labutils.dispatch import _LogitsGate, core
     from labutils.moe import FMoETransformerMLP
+    from labutils.perf.dispatch import _LogitsGate, core
 
     p = make_problem(tokens=32, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     layer = FMoETransformerMLP(num_expert=4, d_model=8, d_hidden=16, top_k=2, gate=_LogitsGate)
     with torch.no_grad():
-        for dst, src in ((layer.experts.htoh4.weight, p.w1), (layer.experts.htoh4.bias, p.b1),
-                         (layer.experts.h4toh.weight, p.w2), (layer.experts.h4toh.bias, p.b2)):
-            dst.copy_(src)
+        for i, e in enumerate(layer.experts):
+            pairs = ((e.htoh4.weight, p.w1), (e.htoh4.bias, p.b1), (e.h4toh.weight, p.w2), (e.h4toh.bias, p.b2))
+            for dst, src in pairs:
+                dst.copy_(src[i:i + 1])
     layer.gate.logits = p.logits
     assert compare_tensors("core vs layer", core(p).y, layer(p.x), rtol=0, atol=0).exact
 
@@ -156,29 +158,61 @@ def test_bench_clock_is_cpu_time_only_with_one_thread(threads):
     threads they are wall clock and the sleep counts. (Both benchmark helpers share the rule.)"""
     import time
 
-    from labutils.moe.bench import bench_clock
-    from labutils.roofline import bench, machine_info
+    from labutils.perf.timing import bench, clock, machine_info
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         t = bench({"sleep": lambda: time.sleep(0.05)}, reps=2, warmup=0)["sleep"]
-        clock = machine_info()["clock"]
-        moe_clock = bench_clock()
+        recorded = machine_info()["clock"]
+        moe_clock = clock()
     finally:
         torch.set_num_threads(before)
     if threads == 1:
-        assert max(t) < 0.02 and clock.startswith("thread CPU time") and moe_clock is time.thread_time
+        assert max(t) < 0.02 and recorded.startswith("thread CPU time") and moe_clock is time.thread_time
     else:
-        assert min(t) >= 0.05 and clock == "wall clock" and moe_clock is time.perf_counter
+        assert min(t) >= 0.05 and recorded == "wall clock" and moe_clock is time.perf_counter
 
 
 def test_save_result_writes_json_and_reports_a_relative_path(tmp_path):
     import json
 
-    from labutils.roofline import save_result
+    from labutils.perf.timing import save_result
 
     out = tmp_path / "results" / "x.json"
     assert save_result({"a": [1, 2.5]}, out, tmp_path) == "results/x.json"
     assert json.loads(out.read_text()) == {"a": [1, 2.5]} and out.read_text().endswith("\n")
     assert save_result({}, out, tmp_path / "elsewhere") == str(out)
+
+
+def test_latency_bandwidth_fit_recovers_a_known_line_and_says_when_it_does_not_fit():
+    from labutils.perf.timing import fit_latency_bandwidth
+
+    sizes = [2 ** p for p in range(10, 25, 2)]
+    fit = fit_latency_bandwidth(sizes, [50e-6 + b / 3e9 for b in sizes])
+    assert math.isclose(fit["latency_s"], 50e-6, rel_tol=1e-6)
+    assert math.isclose(fit["bandwidth_gb_s"], 3.0, rel_tol=1e-6)
+    assert fit["max_rel_error"] < 1e-9
+    curved = fit_latency_bandwidth(sizes, [50e-6 + (b / 3e9) ** 1.5 for b in sizes])   # not a line: it says so
+    assert curved["max_rel_error"] > 0.2
+    with pytest.raises(ValueError, match="two different message sizes"):
+        fit_latency_bandwidth([1024, 1024], [1e-3, 1e-3])
+
+
+def test_core_reports_the_kept_share_its_routing_gives():
+    """The core's kept count comes from the routing it used (a gate that drops shows fewer), not a constant."""
+    from labutils.perf.dispatch import core
+
+    p = make_problem(tokens=16, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
+    assert core(p).kept == 32
+    import labutils.perf.dispatch as D
+
+    real_route = D.route
+    try:
+        def dropping(logits, top_k):
+            idx, score = real_route(logits, top_k)
+            return idx.masked_fill(torch.arange(idx.shape[0]).unsqueeze(1) < 3, -1), score
+        D.route = dropping
+        assert core(p).kept == 32 - 3 * 2
+    finally:
+        D.route = real_route

@@ -1,8 +1,8 @@
-"""labutils.dist collectives on 2 and 4 gloo workers, forward and backward, against single-process references."""
+"""labutils.collectives collectives on 2 and 4 gloo workers, forward and backward, against single-process references."""
 import pytest
 import torch
 
-from labutils.launch import launch
+from labutils.launcher import launch
 
 SIZES = {2: [3, 1], 4: [2, 0, 3, 1]}  # rows per rank: unequal on purpose, one rank with none
 
@@ -17,7 +17,7 @@ def _collectives(sizes):
     import torch
     import torch.distributed as dist
 
-    from labutils.dist import (
+    from labutils.collectives import (
         all_gather,
         all_gather_same_dim,
         all_gather_variable_dim,
@@ -97,7 +97,7 @@ def test_collectives_match_single_process(world):
 def _bad_calls():
     import torch
 
-    from labutils.dist import all_gather, all_gather_variable_dim, all_to_all
+    from labutils.collectives import all_gather, all_gather_variable_dim, all_to_all
 
     errors = []
     for call in (lambda: all_gather(torch.ones(2, 2), grad="mean"),
@@ -117,11 +117,11 @@ def test_bad_arguments_raise_clear_errors():
     assert "grad must be 'slice' or 'sum'" in errors[0]
     assert "one entry per rank" in errors[1]
     assert "sum to 2 but x has 3 rows" in errors[2]
-    assert "this rank holds 5 entries" in errors[3]
+    assert "passed sizes=[5, 5] but the ranks hold [2, 2]" in errors[3]
 
 
 def test_without_process_group_says_how_to_start_one():
-    from labutils.dist import all_gather, all_to_all
+    from labutils.collectives import all_gather, all_to_all
 
     with pytest.raises(RuntimeError, match="labutils.launch"):
         all_gather(torch.ones(2))
@@ -130,7 +130,7 @@ def test_without_process_group_says_how_to_start_one():
 
 
 def test_pad_dim_to():
-    from labutils.dist import pad_dim_to
+    from labutils.collectives import pad_dim_to
 
     t = torch.ones(2, 3)
     assert pad_dim_to(t, 4, dim=1).tolist() == [[1, 1, 1, 0], [1, 1, 1, 0]]

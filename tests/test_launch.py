@@ -229,7 +229,7 @@ def test_torchrun_entry_runs_the_same_function(tmp_path):
             return t.item()
     """))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    out = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "labutils.entry", "workermod:sum_ranks", "10.0"],
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "labutils.torchrun", "workermod:sum_ranks", "10.0"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]

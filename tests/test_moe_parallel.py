@@ -1,11 +1,11 @@
-"""Expert parallelism (labutils.moe.parallel): W workers with E/W experts each == one process with E experts.
+"""Expert parallelism (labutils.moe.expert_parallel): W workers with E/W experts each == one process with E experts.
 
-Also: traffic accounting (labutils.comm) and what happens when ranks disagree (clear error, never a hang).
+Also: traffic accounting (labutils.moe.traffic) and what happens when ranks disagree (clear error, never a hang).
 """
 import pytest
 import torch
 
-from labutils.launch import WorkerError, launch
+from labutils.launcher import WorkerError, launch
 
 D, H = 6, 8
 
@@ -28,8 +28,8 @@ def _parity(kind, num_expert, batches):
     import torch
     import torch.distributed as dist
 
-    from labutils.comm import record_traffic
-    from labutils.moe.parallel import shard_state
+    from labutils.moe.expert_parallel import shard_state
+    from labutils.moe.traffic import record_traffic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -42,11 +42,11 @@ def _parity(kind, num_expert, batches):
     part.load_state_dict(shard_state(full.state_dict(), rank, num_expert))
     lo, hi = sum(batches[:rank]), sum(batches[:rank + 1])
     x = x_all.detach()[lo:hi].clone().requires_grad_()
-    with record_traffic() as log:
+    with record_traffic(part) as log:
         y = part(x)
     (y ** 2).sum().backward()                            # my share of it; ranks' losses sum to the global one
     grads = {n: p.grad for n, p in part.named_parameters()}
-    for n, p in part.named_parameters():
+    for n, _p in part.named_parameters():
         if "experts" not in n:                           # the gate is replicated: sum its gradient over ranks
             dist.all_reduce(grads[n])
     want = shard_state({n: p.grad for n, p in full.named_parameters()}, rank, num_expert)
@@ -71,7 +71,8 @@ def test_expert_parallel_equals_one_process(world, kind, num_expert, batches):
     for rank, (diffs, sent, expected_rows, sent_bytes) in enumerate(results):
         bad = {k: v for k, v in diffs.items() if not v <= 1e-5}
         assert not bad, f"rank {rank}: sharded experts differ from one process by more than 1e-5: {bad}"
-        assert len(diffs) == 2 + 2 * (4 if kind == "fused" else 2) + 4, sorted(diffs)  # every parameter compared
+        per_layer = (4 if kind == "fused" else 2) * num_expert + 2        # experts' tensors + the gate's two
+        assert len(diffs) == 2 + 2 * per_layer, sorted(diffs)            # every parameter compared
         # the first layer's exchange sent exactly the rows its gate routed to each rank: no padding
         assert sent[0] == expected_rows, f"rank {rank}: sent {sent[0]}, routing says {expected_rows}"
         assert sent_bytes == sum(sum(s) - s[rank] for s in sent) * D * 4
@@ -83,7 +84,7 @@ def _zero_rows():
     import torch.distributed as dist
 
     from labutils.moe import FMoETransformerMLP
-    from labutils.moe.parallel import exchange_and_run, shard_state
+    from labutils.moe.expert_parallel import exchange_and_run, shard_state
 
     rank, world, ne = dist.get_rank(), dist.get_world_size(), 2
     torch.manual_seed(1)
@@ -99,13 +100,14 @@ def _zero_rows():
     y_ref.pow(2).sum().backward()
     return (tuple(y.shape), (y - y_ref).abs().max().item() if y.numel() else 0.0,
             (x.grad - x_ref.grad).abs().max().item() if x.numel() else 0.0,
-            part.experts.htoh4.weight.grad, full.experts.htoh4.weight.grad)
+            torch.cat([e.htoh4.weight.grad for e in part.experts]),
+            torch.cat([e.htoh4.weight.grad for e in full.experts]))
 
 
 def test_rank_with_zero_tokens():
     results = launch(_zero_rows, 2, timeout=60)
     assert results[1][0] == (0, D)
-    for shape, dy, dgrad, _, _ in results:
+    for _shape, dy, dgrad, _, _ in results:
         assert dy <= 1e-6 and dgrad <= 1e-6, (dy, dgrad)
     # expert gradients: each rank's experts get the gradient of every rank's rows routed to them
     total = sum(r[4] for r in results)                                # (4, H, D) full-layer gradient, summed
@@ -120,7 +122,7 @@ def _disagree(case):
     import torch.distributed as dist
 
     from labutils.moe import FMoETransformerMLP
-    from labutils.moe.parallel import assign_layer_ids
+    from labutils.moe.expert_parallel import assign_layer_ids
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ne = 2 if case == "num_expert" and rank == 1 else 1
@@ -144,7 +146,7 @@ CASES = {"num_expert": "num_expert: rank 0=1, rank 1=2", "d_model": f"d_model: r
 
 def _disagree_each():
     """Each case raises on every rank BEFORE any data moves, so the ranks can catch it and go on."""
-    from labutils.moe.parallel import ExpertParallelMismatch
+    from labutils.moe.expert_parallel import ExpertParallelMismatch
 
     seen = {}
     for case in CASES:
@@ -191,7 +193,7 @@ def test_skipped_layer_then_other_collective_without_detail_times_out_with_stack
 
 # ---- pure helpers ------------------------------------------------------------------------------------
 def test_local_order_makes_each_local_expert_contiguous():
-    from labutils.moe.parallel import local_order
+    from labutils.moe.expert_parallel import local_order
 
     global_expert_count = torch.tensor([2, 1, 0, 3, 1, 1])             # 3 source ranks x 2 local experts
     tags = [(src, e) for src in range(3) for e in range(2) for _ in range(int(global_expert_count[src * 2 + e]))]
@@ -201,7 +203,7 @@ def test_local_order_makes_each_local_expert_contiguous():
 
 
 def test_shard_state_slices_fused_and_renumbers_lists():
-    from labutils.moe.parallel import shard_state
+    from labutils.moe.expert_parallel import shard_state
 
     state = {"gate.gate.weight": torch.ones(4, 3), "experts.htoh4.weight": torch.arange(4.).view(4, 1),
              "experts.2.weight": torch.full((1,), 2.0), "experts.3.weight": torch.full((1,), 3.0),
@@ -213,7 +215,7 @@ def test_shard_state_slices_fused_and_renumbers_lists():
 
 
 def test_comm_accounting():
-    from labutils import comm
+    from labutils.moe import traffic as comm
 
     counts = torch.tensor([[3, 1, 0, 2], [0, 0, 5, 1]])                # 2 ranks x (2 ranks * 2 experts)
     m = comm.token_matrix(counts, num_expert=2)
@@ -227,7 +229,7 @@ def test_comm_accounting():
 
 def test_deepspeed_capacity_matches_deepspeed():
     sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
-    from labutils.comm import deepspeed_capacity
+    from labutils.moe.traffic import deepspeed_capacity
 
     for tokens, experts, cf, k in [(64, 8, 1.0, 1), (64, 8, 2.0, 1), (10, 4, 1.25, 2), (3, 8, 1.0, 1)]:
         gates = torch.zeros(tokens, experts)
@@ -249,7 +251,7 @@ def _parity_cuda():
     import torch.distributed as dist
 
     from labutils.moe import FMoETransformerMLP
-    from labutils.moe.parallel import shard_state
+    from labutils.moe.expert_parallel import shard_state
 
     rank, world, dev = dist.get_rank(), dist.get_world_size(), torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)

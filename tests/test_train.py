@@ -8,9 +8,9 @@ import torch
 
 import labutils.train as train_mod
 from labutils.data import CharBatches, EpochBatches, RandomPairs, char_corpus, fixed_windows
+from labutils.models import CharLM, SeqRegressor, make_ffn
 from labutils.moe import NoisyGate
 from labutils.train import Progress, evaluate_loss, lm_cross_entropy, load_checkpoint, train
-from labutils.transformer import CharLM, SeqRegressor, make_ffn
 
 
 def noisy_model(seed):

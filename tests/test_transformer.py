@@ -7,10 +7,7 @@ import torch
 from torch import nn
 
 from labutils.compare import assert_close
-from labutils.moe import GShardGate, NaiveGate, NoisyGate
-from labutils.optional import available
-from labutils.params import count_params
-from labutils.transformer import (
+from labutils.models import (
     AUX_COEF,
     Block,
     CharLM,
@@ -18,10 +15,12 @@ from labutils.transformer import (
     ExpertLoadRecorder,
     SelfAttention,
     SeqRegressor,
-    aux_loss,
     book_model,
     make_ffn,
 )
+from labutils.moe import GShardGate, NaiveGate, NoisyGate, collect_aux_loss
+from labutils.optional import available
+from labutils.params import count_params
 
 
 def small_regressor(kind="fmoe", gate=None, d=16, heads=2, experts=4, hidden=32, layers=1, **kw):
@@ -139,8 +138,8 @@ def test_aux_loss_sums_every_gate_and_clears():
     assert len(gates) == 2
     want = gates[0].loss + gates[1].loss
     assert want.item() > 0
-    assert_close("aux loss", aux_loss(model), want)
-    assert aux_loss(model).item() == 0.0, "a second read without a forward must be 0 (losses cleared)"
+    assert_close("aux loss", collect_aux_loss(model, clear=True), want)
+    assert collect_aux_loss(model, clear=True).item() == 0.0, "a second read without a forward must be 0 (cleared)"
 
 
 def test_aux_loss_reaches_gradients_with_its_coefficient():
@@ -233,9 +232,19 @@ def test_deepspeed_ffn_in_a_block_records_aux_and_counts():
     x = torch.randn(4, 8, 16)
     out = model(x)
     assert out.shape == x.shape
-    aux = aux_loss(model)
+    aux = collect_aux_loss(model, clear=True)
     layers = [b.ffn for b in model.blocks]
     assert aux.item() > 0 and aux.requires_grad
     load = rec.pop()
     assert load.shape == (2, 4) and load.sum(1).tolist() == [4 * 8 * 2] * 2  # both choices, before capacity
-    assert all(layer.l_aux is None for layer in layers), "aux_loss must clear what it read"
+    assert all(layer.l_aux is None for layer in layers), "collect_aux_loss(clear=True) must clear what it read"
+
+
+def test_aux_loss_is_a_deprecated_alias_of_collect_aux_loss():
+    from labutils.models import aux_loss
+
+    model = small_regressor("fmoe", GShardGate)
+    model(torch.randn(2, 3, 16))
+    with pytest.warns(DeprecationWarning, match="collect_aux_loss|_read_and_clear_aux_loss"):
+        first = aux_loss(model)
+    assert first.item() > 0 and collect_aux_loss(model).item() == 0.0

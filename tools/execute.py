@@ -18,11 +18,13 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from nbhygiene import STRAY_CELL_KEYS  # noqa: E402
 
 
 def execute(path: pathlib.Path, timeout: int) -> tuple:
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
     error = None
@@ -32,7 +34,26 @@ def execute(path: pathlib.Path, timeout: int) -> tuple:
         error = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
     except Exception as exc:  # kernel died, timeout
         error = f"{type(exc).__name__}: {exc}"
-    return nb, time.perf_counter() - t0, error
+    return tidy_record(nb), time.perf_counter() - t0, error
+
+
+def tidy_record(nb):
+    """Show this checkout's paths relative to it in the record (``labutils/...``, ``.venv/lib/...``): a reader's
+    checkout lives elsewhere, and tools/nbhygiene.py rejects absolute paths in committed outputs. Per-user cell
+    metadata that an editor may have left (``execution`` timings, ``collapsed``, ...) is dropped for the same reason."""
+    root = f"{ROOT}/"
+    for cell in nb.cells:
+        for key in STRAY_CELL_KEYS:
+            cell.get("metadata", {}).pop(key, None)
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                out["text"] = out["text"].replace(root, "")
+            if "traceback" in out:
+                out["traceback"] = [line.replace(root, "") for line in out["traceback"]]
+            for kind, value in out.get("data", {}).items():
+                if kind.startswith("text/") and isinstance(value, str):
+                    out["data"][kind] = value.replace(root, "")
+    return nb
 
 
 def to_html(nb, dest: pathlib.Path) -> None:

@@ -69,7 +69,8 @@ def main(argv):
     if argv[0] == "to-py":
         sys.stdout.write(to_py(nbformat.read(argv[1], as_version=4)))
     else:
-        nb = to_nb(open(argv[1]).read())
+        with open(argv[1]) as f:
+            nb = to_nb(f.read())
         nbformat.validator.normalize(nb)
         nbformat.write(nb, argv[2])
 

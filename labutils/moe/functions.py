@@ -11,6 +11,20 @@ from __future__ import annotations
 import torch
 
 
+def check_top_k(top_k, tot_expert: int) -> None:
+    """The one top-k check of the lab: an int between 1 and the number of experts (all workers')."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {top_k!r} ({type(top_k).__name__})")
+    if not 1 <= top_k <= tot_expert:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts "
+                         f"(world_size * num_expert = {tot_expert})")
+
+
+def counts_list(counts) -> list:
+    """Per-expert row counts as a list of Python ints, from a tensor (one ``.tolist()``) or any sequence."""
+    return counts.tolist() if torch.is_tensor(counts) else [int(c) for c in counts]
+
+
 def count_by_gate(gate_idx: torch.Tensor, num_expert: int, world_size: int = 1):
     """Tokens per expert and the order that makes each expert's tokens contiguous.
 

@@ -1,15 +1,17 @@
 """Gates: which experts each token goes to, and with what weight. (Taught in chapter 01.)
 
 Every gate follows fastmoe's contract: ``gate(d_model, num_expert, world_size, top_k)`` builds it and
-``gate(x)`` with ``x`` of shape ``(T, d_model)`` returns
+``gate(x)`` with ``x`` of shape ``(T, d_model)`` returns ``(gate_top_k_idx, gate_score)`` in fastmoe's shapes:
 
-* ``gate_top_k_idx``: ``(T, top_k)`` int64, a GLOBAL expert id in ``0 .. world_size*num_expert-1``, or ``-1``
-  when the token's k-th choice was dropped (over capacity, or not sampled);
-* ``gate_score``: ``(T, top_k)`` float, the weight of each choice in the combined output.
+* ``NaiveGate`` (and GShard, Switch, DC, Swipe): ``(T, top_k)`` int64 ids and ``(T, top_k)`` scores (softmax
+  over the k chosen logits);
+* ``NoisyGate`` and ``ZeroGate`` (``balance_gates.py``): flat ``(T*top_k,)`` ids and ``(T, 1, top_k)`` scores.
 
+An id is a GLOBAL expert id in ``0 .. world_size*num_expert-1``, or ``-1`` when the choice was dropped (over
+capacity, or not sampled). The layer reshapes either form to ``(T, k)``.
 A gate's auxiliary (load-balancing) loss is stored with ``set_loss`` and read with ``get_loss``;
 :func:`collect_aux_loss` sums them over a whole model. The capacity-limited gates (GShard, Switch) live in
-``capacity_gates.py``.
+``capacity_gates.py``; ZeroGate, DCGate and SwipeGate in ``balance_gates.py``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,32 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .functions import check_top_k
+
+
+def check_gate_input(gate: nn.Module, x, d_model: int, dtype: torch.dtype | None = None) -> None:
+    """A gate's input must be a floating ``(T, d_model)`` tensor in the gate's dtype; else a clear error."""
+    name = type(gate).__name__
+    if not torch.is_tensor(x):
+        raise TypeError(f"{name} expects a tensor of shape (tokens, d_model={d_model}), got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != d_model:
+        raise ValueError(f"{name}(d_model={d_model}) got input of shape {tuple(x.shape)}; expected "
+                         f"(tokens, d_model={d_model})")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} holds {dtype} weights but got a {x.dtype} input: convert one of them "
+                        f"(e.g. gate.to({dtype}) or x.to({dtype}))")
+
+
+def check_finite_logits(gate: nn.Module, logits: torch.Tensor) -> None:
+    """Raise naming the tokens whose gate logits are NaN/inf: one such token would make the whole batch's
+    balancing loss NaN (and its routing meaningless)."""
+    if logits.numel() and not bool(torch.isfinite(logits).all()):
+        bad = (~torch.isfinite(logits)).any(dim=1).nonzero().flatten().tolist()
+        shown = ", ".join(str(t) for t in bad[:10]) + (", ..." if len(bad) > 10 else "")
+        raise ValueError(f"{type(gate).__name__}: the gate logits of {len(bad)} of {logits.shape[0]} tokens are "
+                         f"NaN or inf (token indices {shown}); the balancing loss of the whole batch would be NaN. "
+                         f"Check those input rows (and the gate weights) for NaN/inf")
 
 
 class BaseGate(nn.Module):
@@ -47,52 +75,58 @@ class BaseGate(nn.Module):
         return self.loss is not None
 
 
-def _check_top_k(top_k: int, tot_expert: int) -> None:
-    if not 1 <= top_k <= tot_expert:
-        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts "
-                         f"(world_size * num_expert = {tot_expert})")
-
-
 class NaiveGate(BaseGate):
-    """A linear layer, top-k of its logits, softmax over the k chosen logits. No balancing loss (it is 0)."""
+    """A linear layer, top-k of its logits, softmax over the k chosen logits. Its loss is a dummy ``(1,)`` zero,
+    as in fastmoe. ``return_all_scores=True`` also returns the ``(T, tot_expert)`` logits."""
 
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 2, gate_bias: bool = True):
         super().__init__(num_expert, world_size)
-        _check_top_k(top_k, self.tot_expert)
+        check_top_k(top_k, self.tot_expert)
+        self.d_model = d_model
         self.gate = nn.Linear(d_model, self.tot_expert, bias=gate_bias)
         self.top_k = top_k
 
-    def forward(self, x, return_all_scores: bool = False):
+    def top_k_logits(self, x):
+        """``(idx, score, logits)``: ``(T, k)`` ids best first, ``(T, k)`` softmax over them, ``(T, E)`` logits."""
+        if isinstance(self.gate, nn.Linear):  # (a student may swap in nn.Identity to feed logits straight in)
+            check_gate_input(self, x, self.gate.in_features, self.gate.weight.dtype)
         logits = self.gate(x)                                               # (T, E)
         top_val, top_idx = torch.topk(logits, k=self.top_k, dim=-1)         # (T, k), sorted best first
-        score = F.softmax(top_val, dim=-1)                                  # (T, k)
-        self.set_loss(logits.new_zeros(()))
+        return top_idx, F.softmax(top_val, dim=-1), logits
+
+    def forward(self, x, return_all_scores: bool = False):
+        idx, score, logits = self.top_k_logits(x)
+        self.set_loss(logits.new_zeros(1, requires_grad=True))              # fastmoe's dummy loss, shape (1,)
         if return_all_scores:
-            return top_idx, score, logits
-        return top_idx, score
+            return idx, score, logits
+        return idx, score
 
 
 def cv_squared(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
-    """Squared coefficient of variation ``var(x) / mean(x)^2`` (Shazeer et al. 2017); 0 for one element."""
+    """Squared coefficient of variation ``var(x) / mean(x)^2`` (Shazeer et al. 2017); a ``(1,)`` zero for one
+    element (fastmoe's shapes)."""
     if x.numel() <= 1:
-        return x.new_zeros(())
+        return x.new_zeros(1, dtype=torch.float32)
     x = x.float()
     return x.var() / (x.mean() ** 2 + eps)
 
 
 class NoisyGate(BaseGate):
-    """Noisy top-k gating (Shazeer et al. 2017, "Outrageously large neural networks").
+    """Noisy top-k gating (Shazeer et al. 2017, "Outrageously large neural networks"), as fastmoe computes it.
 
-    logits = x W_g + N(0,1) * softplus(x W_noise) (noise only in training); softmax over the top-k.
-    Loss = ``w_importance * cv²(importance) + w_load * cv²(load)``: importance is the summed gate weight per
-    expert; load is the differentiable expected number of tokens per expert (probability of staying in the
-    top-k under fresh noise). Without noise (eval) the load is the plain count, as in the paper.
+    logits = x W_g + N(0,1) * (softplus(x W_noise) + 0.01) (noise only in training); softmax over the top-k.
+    Loss = ``cv²(importance) + cv²(load)``: importance is the summed gate weight per expert; load the
+    differentiable expected number of tokens per expert (probability of staying in the top-k under fresh
+    noise), or the plain count when there is no noise (eval) or ``top_k == tot_expert``.
+    Returns fastmoe's shapes: flat ``(T*k,)`` ids and ``(T, 1, k)`` scores.
+    ``w_importance``/``w_load`` (lab additions, default 1) weight the two terms.
     """
 
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 2,
                  noise_epsilon: float = 1e-2, w_importance: float = 1.0, w_load: float = 1.0):
         super().__init__(num_expert, world_size)
-        _check_top_k(top_k, self.tot_expert)
+        check_top_k(top_k, self.tot_expert)
+        self.d_model = d_model
         self.w_gate = nn.Parameter(torch.zeros(d_model, self.tot_expert))   # (d, E) as in fastmoe
         self.w_noise = nn.Parameter(torch.zeros(d_model, self.tot_expert))  # (d, E)
         self.top_k = top_k
@@ -105,22 +139,24 @@ class NoisyGate(BaseGate):
         nn.init.kaiming_uniform_(self.w_noise, a=math.sqrt(5))
 
     def forward(self, x):
+        check_gate_input(self, x, self.d_model, self.w_gate.dtype)
         clean = x @ self.w_gate                                             # (T, E)
+        check_finite_logits(self, clean)
         if self.training:
             stddev = F.softplus(x @ self.w_noise) + self.noise_epsilon      # (T, E)
             logits = clean + torch.randn_like(clean) * stddev
-        else:
+        else:  # fastmoe multiplies the noise by 0 (and still draws it); the values are the same
             stddev, logits = None, clean
         m = min(self.top_k + 1, self.tot_expert)
         top_logits, top_idx = logits.topk(m, dim=-1)                        # (T, m)
-        idx, score = top_idx[:, :self.top_k], F.softmax(top_logits[:, :self.top_k], dim=-1)
+        idx, score = top_idx[:, :self.top_k], F.softmax(top_logits[:, :self.top_k], dim=-1)  # (T, k)
         gates = torch.zeros_like(logits).scatter(1, idx, score)             # (T, E), dense weights
-        if self.training and self.top_k < self.tot_expert:
+        if stddev is not None and self.top_k < self.tot_expert:
             load = self._prob_in_top_k(clean, logits, stddev, top_logits).sum(0)
         else:
-            load = (gates > 0).sum(0).to(x.dtype)
+            load = (gates > 0).sum(0)
         self.set_loss(self.w_importance * cv_squared(gates.sum(0)) + self.w_load * cv_squared(load))
-        return idx, score
+        return idx.reshape(-1), score.unsqueeze(1)                          # (T*k,), (T, 1, k)
 
     def _prob_in_top_k(self, clean, noisy, stddev, top_logits):
         """P(expert stays in the top-k if its own noise were redrawn): Shazeer et al. eq. 9."""
@@ -134,14 +170,19 @@ class NoisyGate(BaseGate):
 
 
 def collect_aux_loss(model: nn.Module, clear: bool = False) -> torch.Tensor:
-    """Sum the auxiliary losses of every gate in ``model`` (0 when there are none). (Taught in chapter 01.)
+    """Sum the auxiliary losses of every loss source in ``model`` (0 when there are none). (Taught in chapter 01.)
 
-    ``clear=True`` also resets each gate's stored loss, so a later call without a new forward returns 0.
+    A loss source is any module with fastmoe's gate interface, ``get_loss(clear)`` and ``has_loss``: the lab's
+    gates, real fastmoe's gates, and ``labutils.models.DeepSpeedFFN`` (which keeps DeepSpeed's ``l_aux``).
+    ``clear=True`` also resets each stored loss, so a later call without a new forward returns 0; the trainer
+    (chapter 03) reads with ``clear=True`` once per step.
     """
     losses = []
     for module in model.modules():
-        if isinstance(module, BaseGate) and module.loss is not None:
-            losses.append(module.get_loss(clear=clear).reshape(()))
+        get_loss = getattr(module, "get_loss", None)
+        if callable(get_loss) and getattr(module, "has_loss", False):
+            loss = get_loss(clear=clear)
+            losses.append(torch.as_tensor(loss).reshape(()))
     if not losses:
         p = next(model.parameters(), None)
         return torch.zeros((), device=p.device if p is not None else None)

@@ -12,9 +12,7 @@ import math
 import torch
 from torch import nn
 
-
-def _as_list(counts) -> list:
-    return counts.tolist() if torch.is_tensor(counts) else [int(c) for c in counts]
+from .functions import counts_list
 
 
 class MOELinear(torch.autograd.Function):
@@ -22,7 +20,7 @@ class MOELinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, counts, weight, bias):
-        counts = _as_list(counts)
+        counts = counts_list(counts)
         if sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts sum to {sum(counts)} but the buffer has {x.shape[0]} rows")
         out = x.new_empty(x.shape[0], weight.shape[1])                       # (N, out)
@@ -51,8 +49,8 @@ class MOELinear(torch.autograd.Function):
         ones = grad_out.new_ones(max(counts, default=0))                     # bias grad as a BLAS mat-vec
         skip = [None] * len(counts)
         for n, g, xe, w, gx, gw, gb in zip(counts, grad_out.split(counts), x.split(counts), weight.unbind(0),
-                                           grad_x.split(counts) if need_x else skip,
-                                           grad_w.unbind(0) if need_w else skip,
+                                           grad_x.split(counts) if grad_x is not None else skip,
+                                           grad_w.unbind(0) if grad_w is not None else skip,
                                            grad_b.unbind(0) if grad_b is not None else skip):
             if n == 0:
                 continue
@@ -90,13 +88,14 @@ class FMoELinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # like nn.Linear PER EXPERT (bound 1/sqrt(in_feat)); bias zero as in fastmoe. fastmoe applies
-        # kaiming_uniform_ to the whole 3-D tensor, whose fan-in is out*in: far smaller weights.
-        bound = 1.0 / math.sqrt(self.in_feat)
-        nn.init.uniform_(self.weight, -bound, bound)
+        # fastmoe's: kaiming_uniform_(a=sqrt(5)) over the whole 3-D weight, whose fan-in torch computes as
+        # out*in (dim 1 times the rest), so the bound is 1/sqrt(out*in), far below nn.Linear's 1/sqrt(in).
+        # Bias zero, as in fastmoe. FMoETransformerMLP(init="linear") gives nn.Linear's bound instead.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, inp, fwd_expert_count):
-        return MOELinear.apply(inp.to(self.weight.dtype), fwd_expert_count, self.weight, self.bias)
+        with torch.autocast(inp.device.type, enabled=False):  # in the weight's dtype, as fastmoe's kernel
+            return MOELinear.apply(inp.to(self.weight.dtype), fwd_expert_count, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"num_expert={self.num_expert}, in_features={self.in_feat}, out_features={self.out_feat}, "

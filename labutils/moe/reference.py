@@ -14,13 +14,19 @@ from .transformer import _Expert
 def expert_on_token(layer, e: int, x_t: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` (a LOCAL index) of ``layer`` applied to one token ``x_t`` of shape ``(d,)``."""
     experts = layer.experts
-    if isinstance(experts, _Expert):
-        h = F.linear(x_t, experts.htoh4.weight[e], experts.htoh4.bias[e])
-        return F.linear(experts.activation(h), experts.h4toh.weight[e], experts.h4toh.bias[e])
+    if isinstance(experts, _Expert):                        # one fused module holding every expert
+        return _mlp_on_token(experts, e, x_t)
     expert = experts[e]
+    if isinstance(expert, _Expert) and expert.htoh4.num_expert == 1:   # fastmoe >= 1.0.1: one module each
+        return _mlp_on_token(expert, 0, x_t)
     row = x_t.unsqueeze(0)
     y = expert(row, torch.tensor([1])) if layer._expert_takes_count[e] else expert(row)
     return y.reshape(-1)
+
+
+def _mlp_on_token(expert, i: int, x_t: torch.Tensor) -> torch.Tensor:
+    h = F.linear(x_t, expert.htoh4.weight[i], expert.htoh4.bias[i])
+    return F.linear(expert.activation(h), expert.h4toh.weight[i], expert.h4toh.bias[i])
 
 
 def reference_moe(layer, x: torch.Tensor, gate_idx=None, gate_score=None) -> torch.Tensor:
@@ -32,6 +38,8 @@ def reference_moe(layer, x: torch.Tensor, gate_idx=None, gate_score=None) -> tor
     xs = x.reshape(-1, x.shape[-1])                                           # (T, d)
     if gate_idx is None:
         gate_idx, gate_score = layer.gate(xs)
+    if gate_score is None:
+        raise ValueError("reference_moe: pass gate_idx and gate_score together (or neither, to call layer.gate)")
     gate_idx = gate_idx.reshape(xs.shape[0], -1)
     gate_score = gate_score.reshape(xs.shape[0], -1)
     rows = []

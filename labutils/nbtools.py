@@ -1,10 +1,14 @@
-"""Environment report, seeding and source display. (Chapter 00.)"""
+"""Notebook conveniences: environment report, seeding, source display, silencing C-level output. (Chapter 00.)"""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import os
 import platform
 import random
+import sys
+import tempfile
 
 import torch
 
@@ -65,3 +69,43 @@ def show_source(obj) -> None:
     path = inspect.getsourcefile(obj) or "?"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"# {os.path.relpath(path, root)}\n{inspect.getsource(obj).rstrip()}")
+
+
+@contextlib.contextmanager
+def quiet(keep_on_error: bool = True):
+    """Swallow everything printed inside (Python prints and the C/C++ level: compilers, linkers, gloo).
+
+    DeepSpeed prints unconditionally in a few places ("... built successfully", "No existing process group
+    found, creating a new group ..."). If the block raises, the captured text is attached to the exception
+    as a note so nothing useful is lost.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    python_level = io.StringIO()
+    with tempfile.TemporaryFile() as c_level:
+        saved = []
+        try:
+            for fd in (1, 2):
+                try:
+                    saved.append((fd, os.dup(fd)))
+                    os.dup2(c_level.fileno(), fd)
+                except OSError:  # no such fd (embedded interpreters): Python-level capture still applies
+                    pass
+            with contextlib.redirect_stdout(python_level), contextlib.redirect_stderr(python_level):
+                yield
+        except BaseException as exc:
+            if keep_on_error:
+                c_level.seek(0)
+                text = (python_level.getvalue() + c_level.read().decode("utf-8", "replace")).strip()
+                if text:
+                    note = "output captured by labutils.nbtools.quiet():\n" + text[-4000:]
+                    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+                    if add_note is not None:
+                        add_note(note)
+                    else:
+                        print(note, file=sys.__stderr__ or sys.stderr)
+            raise
+        finally:
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .moe.functions import combine, count_by_gate, gather, scatter
+from ..moe.functions import check_top_k, combine, count_by_gate, gather, scatter
 
 __all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "loop", "core", "padded",
            "grouped_mm", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate", "DESIGNS", "LIMITS", "build_designs",
@@ -94,8 +94,7 @@ def route(logits: torch.Tensor, top_k: int):
 def make_problem(tokens: int, d_model: int, d_hidden: int, num_expert: int, top_k: int, seed: int = 0,
                  device="cpu", dtype=torch.float32, limits: bool = True) -> Problem:
     """A seeded random problem; ``limits`` also builds the dense and pre-sliced inputs of the two limits."""
-    if not 1 <= top_k <= num_expert:
-        raise ValueError(f"top_k={top_k} must be between 1 and num_expert={num_expert}")
+    check_top_k(top_k, num_expert)
     g = torch.Generator().manual_seed(seed)
 
     def leaf(*shape, scale=1.0):
@@ -156,10 +155,20 @@ class _LogitsGate(nn.Module):
 _CORE_LAYERS: dict = {}
 
 
+def per_expert_tensors(p: Problem) -> dict:
+    """The problem's fused ``(E, ...)`` expert weights as fastmoe's per-expert names (``experts.<i>.htoh4.weight``
+    of shape ``(1, h, d)``): views, so gradients land in the problem's tensors."""
+    out = {"gate.logits": p.logits}
+    for i in range(p.E):
+        for name, t in (("htoh4.weight", p.w1), ("htoh4.bias", p.b1), ("h4toh.weight", p.w2), ("h4toh.bias", p.b2)):
+            out[f"experts.{i}.{name}"] = t[i:i + 1]
+    return out
+
+
 def _core_layer(E: int, d: int, h: int, k: int):
     key = (E, d, h, k)
     if key not in _CORE_LAYERS:
-        from .moe.transformer import FMoETransformerMLP
+        from ..moe.transformer import FMoETransformerMLP
 
         with torch.device("meta"):  # weights come from the problem through functional_call
             _CORE_LAYERS[key] = FMoETransformerMLP(num_expert=E, d_model=d, d_hidden=h, top_k=k, gate=_LogitsGate)
@@ -167,12 +176,13 @@ def _core_layer(E: int, d: int, h: int, k: int):
 
 
 def core(p: Problem) -> DispatchOut:
-    """The lab's FastMoE core (``labutils.moe.FMoETransformerMLP``) unchanged, fed this problem's tensors."""
+    """The lab's FastMoE core (``labutils.moe.FMoETransformerMLP``) unchanged, fed this problem's tensors.
+    Its kept count is read from the routing the layer used (its ``gate_hook``), not assumed."""
     layer = _core_layer(p.E, p.d, p.h, p.top_k)
-    tensors = {"experts.htoh4.weight": p.w1, "experts.htoh4.bias": p.b1, "experts.h4toh.weight": p.w2,
-               "experts.h4toh.bias": p.b2, "gate.logits": p.logits}
-    y = torch.func.functional_call(layer, tensors, (p.x,))                # (T, d)
-    return DispatchOut(y, p.T * p.top_k, p.T * p.top_k)
+    seen = {}
+    layer.gate_hook = lambda idx, score, _: seen.update(kept=int((idx >= 0).sum()))
+    y = torch.func.functional_call(layer, per_expert_tensors(p), (p.x,))  # (T, d)
+    return DispatchOut(y, seen["kept"], seen["kept"])
 
 
 _FMOE_LAYERS: dict = {}
@@ -182,14 +192,12 @@ def fastmoe(p: Problem) -> DispatchOut:
     """The real fastmoe (``fmoe``, CUDA only) fed the same tensors: same parameter names as the core."""
     key = (p.E, p.d, p.h, p.top_k, p.x.device)
     if key not in _FMOE_LAYERS:
-        from .optional import require
+        from ..optional import require
 
         fmoe = require("fmoe", "the fastmoe dispatch design")
         _FMOE_LAYERS[key] = fmoe.FMoETransformerMLP(num_expert=p.E, d_model=p.d, d_hidden=p.h, top_k=p.top_k,
                                                     gate=_LogitsGate).to(p.x.device)
-    tensors = {"experts.htoh4.weight": p.w1, "experts.htoh4.bias": p.b1, "experts.h4toh.weight": p.w2,
-               "experts.h4toh.bias": p.b2, "gate.logits": p.logits}
-    y = torch.func.functional_call(_FMOE_LAYERS[key], tensors, (p.x,))
+    y = torch.func.functional_call(_FMOE_LAYERS[key], per_expert_tensors(p), (p.x,))
     return DispatchOut(y, p.T * p.top_k, p.T * p.top_k)
 
 
@@ -328,9 +336,9 @@ class DeepSpeedMoE(nn.Module):
 
 def _import_deepspeed():
     try:
-        from .ds import import_deepspeed  # quiet logs, CPU accelerator chosen explicitly
+        from ..ds.runtime import import_deepspeed  # quiet logs, CPU accelerator chosen explicitly
     except ImportError:  # pragma: no cover - labutils copied without ds.py
-        from .optional import require
+        from ..optional import require
 
         return require("deepspeed", "the DeepSpeed dispatch design")
     return import_deepspeed()

@@ -18,22 +18,21 @@
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 import pathlib
 import socket
 import sys
-import tempfile
 import time
 
 import torch
 
+from ..nbtools import quiet  # re-exported: labutils.ds.quiet
+
 __all__ = ["import_deepspeed", "init_deepspeed", "quiet", "build_ops", "extensions_dir", "shm_op_built",
            "install_capacity_guard", "CapacityMismatchError", "moe_layers", "shard_for_rank"]
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository, when the package sits in it
 _OWN_ENV = False  # True once init_deepspeed has written the single-process rendezvous variables
 _ADOPTED = None  # whether our DeepSpeed start found a torch.distributed group already running
 
@@ -69,7 +68,7 @@ _prepare_environment()
 def import_deepspeed(quiet_logs: bool = True):
     """Import and return ``deepspeed`` (clear ImportError if missing); its logger is set to ERROR."""
     _prepare_environment()
-    from labutils.optional import require
+    from ..optional import require
 
     deepspeed = require("deepspeed", "chapter 02 (DeepSpeed MoE)")
     if quiet_logs:
@@ -78,41 +77,6 @@ def import_deepspeed(quiet_logs: bool = True):
         for handler in ds_logger.handlers:
             handler.setLevel(logging.ERROR)
     return deepspeed
-
-
-@contextlib.contextmanager
-def quiet(keep_on_error: bool = True):
-    """Swallow everything printed inside (Python prints and the C/C++ level: compilers, linkers, gloo).
-
-    DeepSpeed prints unconditionally in a few places ("... built successfully", "No existing process group
-    found, creating a new group ..."). If the block raises, the captured text is attached to the exception
-    as a note so nothing useful is lost.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    python_level = io.StringIO()
-    with tempfile.TemporaryFile() as c_level:
-        saved = []
-        try:
-            for fd in (1, 2):
-                try:
-                    saved.append((fd, os.dup(fd)))
-                    os.dup2(c_level.fileno(), fd)
-                except OSError:  # no such fd (embedded interpreters): Python-level capture still applies
-                    pass
-            with contextlib.redirect_stdout(python_level), contextlib.redirect_stderr(python_level):
-                yield
-        except BaseException as exc:
-            if keep_on_error:
-                c_level.seek(0)
-                text = (python_level.getvalue() + c_level.read().decode("utf-8", "replace")).strip()
-                if text:
-                    exc.add_note("output captured by labutils.ds.quiet():\n" + text[-4000:])
-            raise
-        finally:
-            for fd, copy in saved:
-                os.dup2(copy, fd)
-                os.close(copy)
 
 
 def _free_port() -> int:
@@ -200,11 +164,13 @@ def build_ops(verbose: bool = True) -> dict:
 
     where = extensions_dir()
     cached = shm_op_built()
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    accelerator = get_accelerator()
+    builder = accelerator.create_op_builder("ShareMemCommBuilder") if accelerator is not None else None
     result = {"op": None, "seconds": 0.0, "cached": cached, "where": str(where) if where else "default"}
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         if verbose:
-            print(f"DeepSpeed uses no shared-memory op on accelerator {get_accelerator()._name!r}: nothing to build")
+            name = getattr(accelerator, "_name", accelerator)
+            print(f"DeepSpeed uses no shared-memory op on accelerator {name!r}: nothing to build")
         return result
     t0 = time.perf_counter()
     try:

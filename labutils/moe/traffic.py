@@ -1,24 +1,25 @@
 """Communication volume of expert parallelism: measured, minimal, and DeepSpeed's. (Taught in chapter 06.)
 
-* ``record_traffic()`` collects what ``labutils.moe.parallel.exchange_and_run`` really sent (rows per
-  destination rank and bytes per row) for every layer call inside the ``with`` block.
+* ``record_traffic(model)`` collects what ``labutils.moe.expert_parallel.exchange_and_run`` really sent (rows
+  per destination rank and bytes per row) for every call of ``model``'s MoE layers inside the ``with`` block:
+  it adds a hook to each layer's ``exchange_hooks`` and removes it at the end (nothing global).
 * ``token_matrix`` turns every rank's per-expert counts into the rank-to-rank token matrix.
 * ``minimum_bytes``: rows routed to OTHER ranks x d x element size, what any exact exchange must send.
 * ``deepspeed_bytes``: DeepSpeed's all-to-all sends the whole ``(E, C, d)`` capacity buffer, padded or not,
-  whatever the routing; ``deepspeed_capacity`` re-derives its ``C`` (``deepspeed/moe/sharded_moe.py:_capacity``).
+  whatever the routing; its ``C`` comes from :func:`labutils.ds.gating.ds_capacity`, the lab's one copy of
+  DeepSpeed's formula (``deepspeed/moe/sharded_moe.py:_capacity``).
 
 All byte counts are for ONE direction of one all-to-all (the dispatch); the return trip sends the same
 again, and the backward repeats both.
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["record_traffic", "record", "TrafficLog", "token_matrix", "minimum_bytes", "deepspeed_capacity",
+__all__ = ["record_traffic", "TrafficLog", "token_matrix", "minimum_bytes", "deepspeed_capacity",
            "deepspeed_bytes", "deepspeed_dropped", "plot_token_matrix"]
 
 
@@ -33,25 +34,29 @@ class TrafficLog:
                    if include_self or peer != rank)
 
 
-_active: list = []
+    def record(self, layer, send_rows, recv_rows, row_bytes: int) -> None:
+        """The exchange hook: called by ``exchange_and_run`` after each dispatch all-to-all."""
+        from .expert_parallel import layer_id
+
+        self.calls.append({"layer": layer_id(layer), "send_rows": [int(n) for n in send_rows],
+                           "recv_rows": [int(n) for n in recv_rows], "row_bytes": int(row_bytes)})
 
 
 @contextmanager
-def record_traffic():
-    """``with record_traffic() as log: ...`` records every expert-parallel exchange in this process."""
+def record_traffic(model: torch.nn.Module):
+    """``with record_traffic(model) as log: model(x)`` records every expert-parallel exchange of ``model``'s
+    MoE layers (``model`` may be one layer) in the block. Raises if ``model`` has no MoE layer."""
+    layers = [m for m in model.modules() if hasattr(m, "run_experts")]
+    if not layers:
+        raise ValueError(f"record_traffic: {type(model).__name__} contains no MoE layer (FMoE) to record")
     log = TrafficLog()
-    _active.append(log)
+    for layer in layers:
+        layer.__dict__.setdefault("exchange_hooks", []).append(log.record)
     try:
         yield log
     finally:
-        _active.remove(log)
-
-
-def record(layer_id: int, send_rows, recv_rows, row_bytes: int) -> None:
-    """Called by ``exchange_and_run``; a no-op outside ``record_traffic()``."""
-    for log in _active:
-        log.calls.append({"layer": layer_id, "send_rows": [int(n) for n in send_rows],
-                          "recv_rows": [int(n) for n in recv_rows], "row_bytes": int(row_bytes)})
+        for layer in layers:
+            layer.__dict__["exchange_hooks"].remove(log.record)
 
 
 def token_matrix(local_expert_counts, num_expert: int) -> torch.Tensor:
@@ -74,9 +79,12 @@ def minimum_bytes(matrix: torch.Tensor, d_model: int, element_size: int) -> torc
 
 def deepspeed_capacity(tokens: int, num_experts: int, capacity_factor: float, top_k: int = 1,
                        min_capacity: int = 4) -> int:
-    """DeepSpeed's expert capacity ``C = max(ceil(tokens / E * capacity_factor * k), min_capacity)``
-    (top-2 gating doubles the factor, top-k multiplies by k). ``tokens`` is the rank's LOCAL token count."""
-    return max(math.ceil(tokens / num_experts * capacity_factor * top_k), min_capacity)
+    """DeepSpeed's expert capacity ``C = max(ceil(tokens / E * capacity_factor * k), min_capacity)`` for the
+    rank's LOCAL ``tokens``, as DeepSpeed computes it (float32: S=100, E=4, cf=1.2 gives 31, not 30).
+    Calls :func:`labutils.ds.gating.ds_capacity`, the lab's one copy of the formula."""
+    from ..ds.gating import ds_capacity
+
+    return ds_capacity(tokens, num_experts, capacity_factor, k=top_k, min_capacity=min_capacity)
 
 
 def deepspeed_bytes(tokens: int, num_experts: int, world: int, d_model: int, element_size: int,
@@ -98,6 +106,7 @@ def deepspeed_dropped(local_expert_counts, tokens: int, capacity_factor: float, 
 def plot_token_matrix(matrix: torch.Tensor, title: str = "rows sent, rank -> rank"):
     """Heatmap of the rank-to-rank token matrix, numbers in the cells, the (local) diagonal framed."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     m = torch.as_tensor(matrix).cpu()
     world = m.shape[0]
@@ -109,7 +118,7 @@ def plot_token_matrix(matrix: torch.Tensor, title: str = "rows sent, rank -> ran
             ax.text(t, s, str(v), ha="center", va="center", fontsize=8,
                     color="white" if v > 0.6 * float(m.max()) else "black")
     for r in range(world):  # the diagonal stays on the rank: no network
-        ax.add_patch(plt.Rectangle((r - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="tab:orange", lw=1.5))
+        ax.add_patch(Rectangle((r - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="tab:orange", lw=1.5))
     ax.set_xlabel("destination rank (holds the expert)")
     ax.set_ylabel("source rank (holds the token)")
     ax.set_xticks(range(world))

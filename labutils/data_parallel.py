@@ -33,13 +33,13 @@ from torch import nn
 _TAGS = {"dp": "dp", "gate": "world", "world": "world", "expert": "expert", "none": "expert"}
 
 __all__ = ["mark_expert_params", "grad_group", "is_expert_param", "split_dense_expert", "allreduce_grouped_grads",
-           "broadcast_grouped_params", "GroupedDataParallel"]
+           "broadcast_grouped_params", "GroupedDataParallel", "DistributedGroupedDataParallel"]
 
 
 def mark_expert_params(module: nn.Module) -> nn.Module:
     """Tag every parameter of ``module`` as an expert parameter (``p.dp_comm = "expert"``); returns it."""
     for p in module.parameters():
-        p.dp_comm = "expert"
+        p.dp_comm = "expert"  # pyright: ignore[reportAttributeAccessIssue]  (a tag, as fastmoe sets)
     return module
 
 
@@ -152,3 +152,82 @@ class GroupedDataParallel(nn.Module):
     def allreduce_gradients(self) -> dict:
         return allreduce_grouped_grads(self.module, dp_group=self.dp_group, expert_dp_group=self.expert_dp_group,
                                        expert_scale=self.expert_scale)
+
+
+class DistributedGroupedDataParallel(nn.Module):
+    """fastmoe's ``DistributedGroupedDataParallel``, same constructor and methods. (Taught in chapter 07.)
+
+    Each parameter's gradient is averaged over the group named by its ``dp_comm`` tag (untagged: ``"dp"``).
+    Groups come from keyword arguments ending in ``_group`` (``dp_group=``, ``mp_group=``, ``gate_group=``,
+    ``moe_group=``, ``world_group=``, any ``<tag>_group=``); ``dp``, ``gate``, ``moe`` and ``world`` default to
+    every rank. A tag with no group is left alone: fastmoe's experts (tag ``"none"``) keep their gradient, which
+    already SUMS every rank's tokens through the backward all-to-all (not averaged, unlike
+    :class:`GroupedDataParallel`'s default); ``"mp"`` is left alone unless ``mp_group=`` is given.
+
+    ``allreduce_gradients(no_scale=False, reduce_after=False, fp32_allreduce=False)`` (alias
+    ``allreduce_params``) is called by you after ``backward()``; ``need_sync=True`` broadcasts every tagged
+    group's parameters from the group's first rank at construction.
+    """
+
+    def __init__(self, module: nn.Module, auto_allreduce: bool = False, need_sync: bool = True, **kwargs):
+        if auto_allreduce:
+            raise NotImplementedError("auto_allreduce=True: fastmoe has not implemented it either; call "
+                                      "model.allreduce_gradients() after backward()")
+        super().__init__()
+        self.module = module
+        unknown = [k for k in kwargs if not k.endswith("_group")]
+        if unknown:
+            raise TypeError(f"DistributedGroupedDataParallel got {unknown}; its groups are keyword arguments "
+                            f"ending in _group (dp_group=, mp_group=, gate_group=, moe_group=, world_group=)")
+        self.comms = {k[:-len("_group")]: g for k, g in kwargs.items()}
+        for tag in ("dp", "gate", "moe", "world"):
+            if self.comms.get(tag) is None:
+                self.comms[tag] = dist.group.WORLD
+        if need_sync:
+            self._sync_params()
+
+    def _by_comm(self, need_grad: bool) -> dict:
+        """``(tag, dtype) -> [param]`` for every tag that has a group."""
+        groups: dict = {}
+        for p in self.module.parameters():
+            if need_grad and (not p.requires_grad or p.grad is None):
+                continue
+            tag = getattr(p, "dp_comm", "dp")
+            if tag in self.comms:
+                groups.setdefault((tag, p.dtype), []).append(p)
+        return groups
+
+    def allreduce_gradients(self, no_scale: bool = False, reduce_after: bool = False,
+                            fp32_allreduce: bool = False) -> None:
+        """Average (``no_scale=True``: sum) each tagged group's gradients over its process group."""
+        for (tag, dtype), params in self._by_comm(need_grad=True).items():
+            comm = self.comms[tag]
+            size = dist.get_world_size(comm)
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])                 # (sum numel,)
+            if fp32_allreduce and dtype != torch.float32:
+                flat = flat.float()
+            if not no_scale and not reduce_after:
+                flat /= size
+            dist.all_reduce(flat, group=comm)
+            if not no_scale and reduce_after:
+                flat /= size
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
+
+    def allreduce_params(self, no_scale: bool = False, reduce_after: bool = False,
+                         fp32_allreduce: bool = False) -> None:
+        """fastmoe's alias of :meth:`allreduce_gradients`."""
+        self.allreduce_gradients(no_scale, reduce_after, fp32_allreduce)
+
+    @torch.no_grad()
+    def _sync_params(self) -> None:
+        for (tag, _), params in self._by_comm(need_grad=False).items():
+            comm = self.comms[tag]
+            flat = torch.cat([p.data.reshape(-1) for p in params])
+            dist.broadcast(flat, src=dist.get_global_rank(comm, 0), group=comm)
+            for p, piece in zip(params, flat.split([p.numel() for p in params])):
+                p.data.copy_(piece.view_as(p))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)

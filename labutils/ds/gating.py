@@ -94,7 +94,8 @@ def _keep_top(priority: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.zeros_like(priority, dtype=torch.int64).scatter_(0, rows, 1)
 
 
-def _per_route(chosen_e: torch.Tensor, value: torch.Tensor, kept_s: torch.Tensor, fill=0) -> torch.Tensor:
+def _per_route(chosen_e: torch.Tensor, value: torch.Tensor, kept_s: torch.Tensor,
+               fill: float = 0) -> torch.Tensor:
     """Pick ``value[s, chosen_e[s]]`` per token, ``fill`` where the route was dropped."""
     picked = value.gather(1, chosen_e[:, None])[:, 0]
     return torch.where(kept_s, picked, torch.full_like(picked, fill))

@@ -11,7 +11,7 @@ FastMoE's recipe, in plain PyTorch collectives (gloo on CPU, NCCL on GPUs):
     return       all_to_all back (the split sizes swap roles)
 
 Global expert ``g`` lives on rank ``g // num_expert`` as local expert ``g % num_expert``. Everything after the
-counts is differentiable (``labutils.dist.all_to_all``'s backward is the reverse all-to-all).
+counts is differentiable (``labutils.collectives.all_to_all``'s backward is the reverse all-to-all).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..dist import _require_pg, all_gather_same_dim, all_to_all
+from ..collectives import all_gather_same_dim, all_to_all, require_process_group
 
 __all__ = ["exchange_and_run", "exchange_counts", "local_order", "check_agreement", "assign_layer_ids",
            "layer_id", "ExpertParallelMismatch", "shard_state"]
@@ -52,7 +52,7 @@ def assign_layer_ids(model: torch.nn.Module) -> int:
     n = 0
     for _, module in model.named_modules():
         if hasattr(module, "run_experts"):
-            module.layer_id = n
+            module.layer_id = n  # pyright: ignore[reportArgumentType]  (a plain int attribute)
             n += 1
     return n
 
@@ -89,7 +89,7 @@ def check_agreement(layer, x_sorted, local_expert_count, group=None) -> None:
     """
     world = dist.get_world_size(group)
     mine = _fingerprint(layer, x_sorted, local_expert_count, world)
-    rows = torch.stack(all_gather_same_dim(mine, group)).cpu()                # (W, fields)
+    rows = torch.stack(all_gather_same_dim(mine, group, check=False)).cpu()  # (W, fields)
     bad = [i for i in range(rows.shape[1]) if not bool((rows[:, i] == rows[0, i]).all())]
     if bad:
         lines = [f"  {_FIELDS[i]}: " + ", ".join(f"rank {r}={int(v)}" for r, v in enumerate(rows[:, i]))
@@ -124,15 +124,17 @@ def local_order(global_expert_count: torch.Tensor, num_expert: int) -> torch.Ten
 
 
 # ---- the exchange ------------------------------------------------------------------------------------
-def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Tensor, *, check: bool = True):
+def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Tensor, *, check: bool = True,
+                     run=None):
     """Run ``x_sorted`` (rows sorted by GLOBAL expert) through the experts on their ranks: ``(N, d) -> (N, d)``.
 
     ``local_expert_count``: ``(world_size*num_expert,)`` rows this rank routes to each global expert.
     Every rank of ``layer.moe_group`` must call this for the same layer in the same order (0 rows is fine).
-    ``check=False`` skips the agreement all_gather (one tiny collective per call).
+    ``check=False`` skips the agreement all_gather (one tiny collective per call). ``run(x, counts)`` replaces
+    ``layer.run_experts`` (``FMoE`` passes one that unpacks a tree of inputs sent as one tensor).
     """
     group = getattr(layer, "moe_group", None)
-    _require_pg(group)
+    require_process_group(group, what="expert-parallel exchange")
     world, ne = dist.get_world_size(group), int(layer.num_expert)
     if check:
         check_agreement(layer, x_sorted, local_expert_count, group)
@@ -142,19 +144,20 @@ def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Te
     global_expert_count = exchange_counts(local_expert_count, world, group)   # (W*E,)
     send = local_expert_count.view(world, ne).sum(1).tolist()                 # rows to each rank
     recv = global_expert_count.view(world, ne).sum(1).tolist()                # rows from each rank
-    x_recv = all_to_all(x_sorted, recv, send, group)                          # (N_recv, d) by (src, expert)
+    x_recv = all_to_all(x_sorted, recv, send, group, check=False)   # (N_recv, d) by (src, expert)
     perm = local_order(global_expert_count, ne)                               # (N_recv,)
     fwd_expert_count = global_expert_count.view(world, ne).sum(0)             # (E,) rows per local expert
-    y_local = layer.run_experts(x_recv.index_select(0, perm), fwd_expert_count)  # (N_recv, d) by expert
+    run = layer.run_experts if run is None else run
+    y_local = run(x_recv.index_select(0, perm), fwd_expert_count)            # (N_recv, d) by expert
     y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
     _record(layer, send, recv, x_sorted)
-    return all_to_all(y_recv, send, recv, group)                              # (N, d) in x_sorted's order
+    return all_to_all(y_recv, send, recv, group, check=False)       # (N, d) in x_sorted's order
 
 
 def _record(layer, send, recv, x) -> None:
-    from .. import comm  # traffic accounting for chapter 06 (no-op unless a recorder is active)
-
-    comm.record(layer_id(layer), send, recv, x.shape[-1] * x.element_size())
+    """Tell the layer's exchange hooks (``labutils.moe.traffic.record_traffic``) what this call sent."""
+    for hook in getattr(layer, "exchange_hooks", ()):
+        hook(layer, send, recv, x.shape[-1] * x.element_size())
 
 
 # ---- from one process to W: the parity checks' helper -------------------------------------------------

@@ -9,8 +9,9 @@ The feed-forward ("FFN") of every block is one of
 * ``"deepspeed"``: DeepSpeed's ``deepspeed.moe.layer.MoE`` behind :class:`DeepSpeedFFN`, a small adapter that
   returns only the output and keeps ``l_aux`` and ``exp_counts`` for the trainer.
 
-Auxiliary (load-balancing) loss: :func:`aux_loss` sums every gate's loss in a model; the trainer adds
-``AUX_COEF * aux_loss(model)`` to the task loss. ``AUX_COEF = 0.01`` is the Switch Transformer paper's
+Auxiliary (load-balancing) loss: :func:`labutils.moe.collect_aux_loss` sums every gate's loss in a model
+(DeepSpeed's ``l_aux`` included); the trainer adds ``AUX_COEF * collect_aux_loss(model, clear=True)`` to the
+task loss. ``AUX_COEF = 0.01`` is the Switch Transformer paper's
 alpha = 1e-2: large enough to keep experts busy, small enough not to dominate the task loss. Pass
 ``aux_coef=`` to ``labutils.train.train`` to change it. Gates without a balancing loss (NaiveGate) contribute 0.
 """
@@ -21,6 +22,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._deprecate import deprecated
+from .moe.gates import collect_aux_loss
 
 AUX_COEF = 0.01  # weight of the summed gate losses in the training loss (Switch Transformer's alpha)
 FFN_KINDS = ("dense", "fmoe", "fastmoe", "deepspeed")
@@ -96,7 +100,7 @@ class DeepSpeedFFN(nn.Module):
                  eval_capacity_factor: float = 1.0, min_capacity: int = 4, drop_tokens: bool = True,
                  ep_size: int = 1, **moe_kwargs):
         super().__init__()
-        from .ds import import_deepspeed
+        from .ds.runtime import import_deepspeed
         import_deepspeed()
         from deepspeed.moe.layer import MoE
         self.moe = MoE(d_model, DenseMLP(d_model, d_hidden), num_experts=num_experts, ep_size=ep_size, k=k,
@@ -110,14 +114,30 @@ class DeepSpeedFFN(nn.Module):
         out, self.l_aux, self.exp_counts = self.moe(x)
         return out  # (..., d)
 
+    # fastmoe's gate interface, so that labutils.moe.collect_aux_loss finds DeepSpeed's l_aux too
+    @property
+    def has_loss(self) -> bool:
+        return self.l_aux is not None
+
+    def get_loss(self, clear: bool = True):
+        loss = self.l_aux
+        if clear:
+            self.l_aux = None
+        return loss
+
 
 def make_ffn(kind: str, d_model: int, d_hidden: int, *, num_expert: int = 4, top_k: int = 2, gate=None,
              **kwargs) -> nn.Module:
-    """Build one feed-forward of ``kind`` in ``FFN_KINDS``. ``d_hidden`` is per expert for the MoE kinds."""
+    """Build one feed-forward of ``kind`` in ``FFN_KINDS``. ``d_hidden`` is per expert for the MoE kinds.
+
+    ``"fmoe"`` layers start with ``init="linear"`` (``nn.Linear``'s bound, as the dense MLP they are compared
+    with) unless ``init="fastmoe"`` is passed.
+    """
     if kind == "dense":
         return DenseMLP(d_model, d_hidden, **kwargs)
     if kind == "fmoe":
         from .moe import FMoETransformerMLP, NaiveGate
+        kwargs.setdefault("init", "linear")
         return FMoETransformerMLP(num_expert=num_expert, d_model=d_model, d_hidden=d_hidden, top_k=top_k,
                                   gate=gate or NaiveGate, **kwargs)
     if kind == "fastmoe":
@@ -197,22 +217,12 @@ def book_model(*, attention: str = "5d2", ffn: str = "fmoe", device="meta", num_
                             n_layers=1, **variants[attention])
 
 
-def aux_loss(model: nn.Module) -> torch.Tensor:
-    """Sum of all gates' balancing losses in ``model`` (lab/fastmoe gates and DeepSpeed layers); reads and clears.
+def _read_and_clear_aux_loss(model: nn.Module) -> torch.Tensor:
+    """``collect_aux_loss(model, clear=True)``: what 0.1.0's ``aux_loss`` did."""
+    return collect_aux_loss(model, clear=True)
 
-    The trainer adds ``AUX_COEF * aux_loss(model)`` to the task loss. (Chapter 03.)
-    """
-    terms = []
-    for m in model.modules():
-        if isinstance(m, DeepSpeedFFN) and m.l_aux is not None:
-            terms.append(m.l_aux.reshape(()))
-            m.l_aux = None
-        elif _is_gate(m) and m.get_loss(clear=False) is not None:
-            terms.append(m.get_loss(clear=True).reshape(()))
-    if not terms:
-        p = next(model.parameters(), None)
-        return torch.zeros((), device=p.device if p is not None else None)
-    return torch.stack(terms).sum()
+
+aux_loss = deprecated("aux_loss", _read_and_clear_aux_loss, since="0.2.0", removed_in="1.0.0")
 
 
 def _is_gate(m: nn.Module) -> bool:
@@ -231,7 +241,7 @@ class ExpertLoadRecorder:
         self.gates = [m for m in model.modules() if _is_gate(m)]
         self.ds_layers = [m for m in model.modules() if isinstance(m, DeepSpeedFFN)]
         self.enabled = True
-        self.counts = [None] * (len(self.gates) + len(self.ds_layers))
+        self.counts: list[torch.Tensor | None] = [None] * (len(self.gates) + len(self.ds_layers))
         self.handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
 
     @property
@@ -244,7 +254,8 @@ class ExpertLoadRecorder:
                 return
             idx = output[0].detach().reshape(-1)
             c = torch.bincount(idx[idx >= 0].cpu(), minlength=module.tot_expert)
-            self.counts[i] = c if self.counts[i] is None else self.counts[i] + c
+            before = self.counts[i]
+            self.counts[i] = c if before is None else before + c
         return hook
 
     def pop(self) -> torch.Tensor | None:
@@ -252,13 +263,14 @@ class ExpertLoadRecorder:
         for j, layer in enumerate(self.ds_layers, start=len(self.gates)):
             if layer.exp_counts is not None:
                 self.counts[j] = torch.as_tensor(layer.exp_counts).detach().cpu().long()
-        if not self.counts or any(c is None for c in self.counts):
+        counts = [c for c in self.counts if c is not None]
+        if not counts or len(counts) != len(self.counts):
             self.counts = [None] * len(self.counts)
             return None
-        widths = {c.numel() for c in self.counts}
+        widths = {c.numel() for c in counts}
         if len(widths) != 1:
             raise ValueError(f"MoE layers have different expert counts {sorted(widths)}; record them separately")
-        out = torch.stack(self.counts)  # (layers, experts)
+        out = torch.stack(counts)  # (layers, experts)
         self.counts = [None] * len(self.counts)
         return out
 

@@ -1,0 +1,24 @@
+"""DeepSpeed in the lab (optional: only these features need the ``deepspeed`` package). (Chapter 02.)
+
+* :mod:`labutils.ds.runtime`: import DeepSpeed quietly, start it in a notebook or in `launch` workers, build
+  its CPU op once, guard against ranks that disagree on the capacity. Needs ``deepspeed`` when called.
+* :mod:`labutils.ds.gating`: DeepSpeed's top-1/2/k gating re-derived in plain PyTorch, and THE capacity
+  formula (:func:`labutils.ds.gating.ds_capacity`) every other helper of the lab calls. Needs only torch.
+
+A coursework copy that does not use DeepSpeed may delete this folder.
+"""
+from .runtime import (
+                      CapacityMismatchError,
+                      build_ops,
+                      extensions_dir,
+                      import_deepspeed,
+                      init_deepspeed,
+                      install_capacity_guard,
+                      moe_layers,
+                      quiet,
+                      shard_for_rank,
+                      shm_op_built,
+)
+
+__all__ = ["import_deepspeed", "init_deepspeed", "quiet", "build_ops", "extensions_dir", "shm_op_built",
+           "install_capacity_guard", "CapacityMismatchError", "moe_layers", "shard_for_rank"]

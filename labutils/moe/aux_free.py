@@ -1,0 +1,49 @@
+"""Auxiliary-loss-free load balancing (Wang et al. 2024; DeepSeek-V3 section 2.1.2). (Taught in chapter 09.)
+
+Each expert has a bias ``b_i`` added to its score for the top-k *selection* only. After each step,
+``b_i += gamma * sign(mean_j c_j - c_i)``: an overloaded expert (``c_i`` above the mean) becomes less likely
+to be picked, an underloaded one more. No gradient, no loss term: the task gradient is left alone.
+torchtitan (``components/optimizer/optimizer.py``, ``_update_expert_bias``) also subtracts the mean of the
+step from the update (``center=True``); DeepSeek-V3's paper does not.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float, center: bool = True) -> torch.Tensor:
+    """The new ``(E,)`` bias after one step with per-expert choice ``counts`` ``(E,)`` (pure function)."""
+    if bias.shape != counts.shape or bias.dim() != 1:
+        raise ValueError(f"bias and counts must both be (num_experts,), got {tuple(bias.shape)} and "
+                         f"{tuple(counts.shape)}")
+    counts = counts.float()
+    delta = rate * torch.sign(counts.mean() - counts)                  # (E,) +rate if underloaded
+    if center:
+        delta = delta - delta.mean()
+    return bias + delta
+
+
+def update_expert_bias(model: nn.Module, center: bool = True) -> int:
+    """Update every :class:`TopKRouter` with a bias in ``model`` from its ``tokens_per_expert`` and reset the
+    counts; returns how many routers were updated. Call it after ``optimizer.step()`` (or register it with
+    :func:`attach_bias_update`)."""
+    from .routers import TopKRouter
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, TopKRouter) and m.expert_bias is not None and m.bias_rate is not None:
+                if m.tokens_per_expert.sum() > 0:
+                    m.expert_bias.copy_(bias_update(m.expert_bias, m.tokens_per_expert, m.bias_rate, center))
+                m.tokens_per_expert.zero_()
+                n += 1
+    return n
+
+
+def attach_bias_update(optimizer: torch.optim.Optimizer, model: nn.Module, center: bool = True):
+    """Run :func:`update_expert_bias` before every ``optimizer.step()`` (torchtitan's step pre-hook): the counts
+    then hold exactly the step's forward passes. Returns the hook handle (``.remove()`` to detach)."""
+    def hook(*args, **kwargs):
+        update_expert_bias(model, center)
+
+    return optimizer.register_step_pre_hook(hook)

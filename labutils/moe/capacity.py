@@ -1,0 +1,121 @@
+"""Expert capacity: how many choices an expert accepts, and which are dropped. (Taught in chapter 01.)
+
+Over-capacity choices become ``-1`` (dropped: the token gets nothing from that expert; in a transformer the
+residual connection carries it). fastmoe drops in the order its CUDA atomics happen to run; here the drops are
+deterministic: all first choices in token order, then all second choices (GShard's Algorithm 1), and across
+workers rank 0's tokens first, so a result is reproducible.
+
+* :func:`limit_by_capacity` is fastmoe's (``fmoe/gates/utils.py``): each LOCAL expert takes at most
+  ``capacity`` tokens from ALL workers together; returns ``(new_lec, new_gec, topk_idx)``.
+* :func:`drop_over_capacity` is the lab's one-worker form: ``gate_idx`` with over-capacity choices set to -1.
+* :func:`capacity_factors` / :func:`warn_small_capacity`: the gates' checks of their capacity factors.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import require_process_group
+
+
+def capacity_factors(capacity, name: str) -> tuple:
+    """``capacity`` as a ``(train, eval)`` pair of finite factors > 0; a scalar is used for both."""
+    pair = (capacity, capacity) if isinstance(capacity, (int, float)) else capacity
+    ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) for c in pair)
+    if not ok:
+        raise TypeError(f"{name}: capacity must be a number or a (train, eval) pair of numbers, got {capacity!r}")
+    if not all(math.isfinite(c) and c > 0 for c in pair):
+        raise ValueError(f"{name}: capacity factors must be finite and > 0, got {capacity!r} (fastmoe's default "
+                         f"is (1.2, 2.4); 0 or less would drop every token)")
+    return float(pair[0]), float(pair[1])
+
+
+def warn_small_capacity(name: str, capacity: int, factor: float, num_tokens: int) -> None:
+    if capacity < 1 and num_tokens > 0:
+        warnings.warn(f"{name}: capacity factor {factor} with {num_tokens} tokens gives {capacity} tokens per "
+                      f"expert (< 1): every choice is dropped; raise the factor or the batch", stacklevel=3)
+
+
+def position_in_expert(gate_idx: torch.Tensor, tot_expert: int) -> torch.Tensor:
+    """Each choice's arrival rank at its expert, in priority order (choice column first, then token).
+
+    ``gate_idx`` is ``(T, k)``; the result is ``(T, k)`` int64, ``-1`` where ``gate_idx`` is ``-1``.
+    """
+    flat = gate_idx.t().reshape(-1)                                     # (k*T,) all 1st choices, then 2nd...
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, tot_expert))
+    order = torch.argsort(key, stable=True)                             # expert-major, priority within
+    counts = torch.bincount(key, minlength=tot_expert + 1)              # (E+1,)
+    starts = torch.cumsum(counts, 0) - counts                           # (E+1,) first slot of each expert
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]
+    rank = torch.where(flat >= 0, rank, torch.full_like(rank, -1))
+    return rank.reshape(gate_idx.shape[1], -1).t()                      # (T, k)
+
+
+def _token_counts(capacity, size: int, what: str) -> torch.Tensor:
+    """A capacity (int, or a tensor of ``size`` entries) as a ``(size,)`` int64 tensor of counts >= 0."""
+    if isinstance(capacity, bool) or not (isinstance(capacity, (int, float)) or torch.is_tensor(capacity)):
+        raise TypeError(f"{what}: capacity must be an int or a tensor of {size} ints, got {capacity!r}")
+    cap = torch.as_tensor(capacity)
+    if cap.dim() > 1 or (cap.dim() == 1 and cap.numel() != size):
+        raise ValueError(f"{what}: capacity must be a scalar or have {size} entries, got shape {tuple(cap.shape)}")
+    if not bool(torch.isfinite(cap).all()) or bool((cap < 0).any()) or bool((cap != cap.floor()).any()):
+        raise ValueError(f"{what}: capacity must hold whole numbers of tokens >= 0, got {capacity!r}")
+    return cap.to(torch.int64).expand(size).clone()
+
+
+def drop_over_capacity(gate_idx: torch.Tensor, tot_expert: int, capacity) -> torch.Tensor:
+    """Return a copy of ``gate_idx`` (``(T, k)``) with every choice beyond its expert's ``capacity`` set to -1.
+
+    ``capacity``: an int or a ``(tot_expert,)`` tensor of counts. Deterministic: first choices have priority
+    over second choices, earlier tokens over later ones. (One worker; taught in chapter 01.)
+    """
+    cap = _token_counts(capacity, tot_expert, "drop_over_capacity")
+    with torch.no_grad():
+        idx = gate_idx if gate_idx.dim() == 2 else gate_idx.reshape(-1, 1)  # (T, k)
+        rank = position_in_expert(idx, tot_expert)
+        room = cap.to(idx.device)[idx.clamp_min(0)]
+        out = torch.where((idx >= 0) & (rank < room), idx, torch.full_like(idx, -1))
+        return out.reshape(gate_idx.shape)
+
+
+def exchange_counts(counts: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
+    """fastmoe's ``expert_exchange``: ``counts`` holds ``world_size`` equal blocks; block ``w`` goes to rank ``w``,
+    and block ``w`` of the result is what rank ``w`` sent here."""
+    if world_size == 1:
+        return counts.clone()
+    require_process_group(group, world_size, f"exchanging expert counts over world_size={world_size} workers")
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, world_size: int, capacity=None, group=None):
+    """fastmoe's ``limit_by_capacity``: each of this worker's ``num_expert`` experts accepts at most
+    ``capacity`` tokens from ALL ``world_size`` workers together (earlier ranks first).
+
+    Returns ``(new_lec, new_gec, topk_idx)``: ``new_lec`` ``(world_size*num_expert,)`` how many of MY choices
+    each global expert accepts, ``new_gec`` how many each worker's choices MY experts accept (block ``w`` =
+    worker ``w``), and ``topk_idx`` with the refused choices set to -1. With ``world_size > 1`` every rank of
+    ``group`` must call it (two small all-to-alls). (Taught in chapter 01.)
+    """
+    if capacity is None:  # the 0.2.0 call limit_by_capacity(gate_idx, tot_expert, capacity)
+        warnings.warn("limit_by_capacity(gate_idx, tot_expert, capacity) is deprecated since labutils 0.3.0 and "
+                      "will be removed in 1.0.0: it is now fastmoe's limit_by_capacity(topk_idx, num_expert, "
+                      "world_size, capacity); use labutils.moe.drop_over_capacity(gate_idx, tot_expert, capacity) "
+                      "for the old result", DeprecationWarning, stacklevel=2)
+        return drop_over_capacity(topk_idx, num_expert, world_size)
+    cap = _token_counts(capacity, num_expert, "limit_by_capacity")     # (ne,) per local expert
+    tot = num_expert * world_size
+    with torch.no_grad():
+        flat = topk_idx.reshape(-1)
+        lec = torch.bincount(flat[flat >= 0], minlength=tot)           # (W*ne,) my choices per global expert
+        gec = exchange_counts(lec, world_size, group).view(world_size, num_expert)  # (W, ne) sent to my experts
+        before = torch.cumsum(gec, 0) - gec                            # taken by earlier ranks
+        new_gec = torch.minimum(gec, (cap.to(gec.device) - before).clamp_min(0)).reshape(-1)
+        new_lec = exchange_counts(new_gec, world_size, group)
+        return new_lec, new_gec, drop_over_capacity(topk_idx, tot, new_lec)

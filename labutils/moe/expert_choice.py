@@ -1,0 +1,36 @@
+"""Expert-choice routing (Zhou et al. 2022, "Mixture-of-Experts with Expert Choice Routing"). (Chapter 09.)
+
+Token choice lets each token pick k experts; expert choice turns the score matrix around: ``S = softmax(X W)``
+``(T, E)``, then each expert takes the ``C`` tokens with the highest score in its column,
+``G, I = top_C(S^T)`` ``(E, C)``. Every expert gets exactly ``C = ceil(T * capacity_factor / E)`` tokens: perfect
+balance by construction, and a token may get 0, 1 or many experts.
+
+The causality caveat: the top-C is over ALL tokens of the batch, so whether token t gets an expert depends on the
+scores of tokens after it. A causal language model trained this way sees the future through the router
+(chapter 09 shows an earlier token's output change when a later token is edited); at generation time, with
+one token at a time, the routing is not the one it was trained with.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """``C = ceil(T * capacity_factor / E)``, at least 1 and at most ``T``."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    return max(1, min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts)))
+
+
+def expert_choice_route(scores: torch.Tensor, capacity: int):
+    """``scores`` ``(T, E)`` -> ``(token_idx (E, C), gates (E, C))``: expert e's C best tokens and their scores.
+    Ties go to the earlier token (``torch.topk`` order on CPU is not promised; a stable sort is used)."""
+    if scores.dim() != 2:
+        raise ValueError(f"expert_choice_route needs scores (tokens, experts), got {tuple(scores.shape)}")
+    T = scores.shape[0]
+    if not 1 <= capacity <= T:
+        raise ValueError(f"capacity={capacity} must be between 1 and the number of tokens {T}")
+    order = torch.sort(scores.t(), dim=1, descending=True, stable=True).indices[:, :capacity]  # (E, C)
+    return order, scores.t().gather(1, order)                                                  # (E, C) x2

@@ -1,0 +1,106 @@
+"""The experts' fast path: every expert's Linear -> activation -> Linear in one autograd Function.
+(Taught in chapter 01; measured in chapter 08 and ``benchmarks/moe_layer.py``.)
+
+``FMoETransformerMLP`` stores its experts as fastmoe >= 1.0.1 does, one ``_Expert`` module each
+(``experts.<i>.htoh4.weight`` of shape ``(1, d_hidden, d_model)``). Running them one module at a time through
+autograd works (that is ``FMoE.expert_fn``'s generic loop) but costs a graph of ~6 nodes per expert; one
+Function does every expert's two matmuls and activation forward, and every gradient backward, directly.
+
+Why per-expert tensors, all the way down: with glibc's default allocator, any block above its mmap threshold
+(dynamic, at most 32 MB) is a fresh ``mmap`` whose pages fault in on first touch, on every step. A fused
+``(E, out, in)`` weight gradient, or one ``(N, d_hidden)`` activation buffer for all experts, crosses it at
+book sizes; per-expert gradients and activations (``n_e x d_hidden``) stay below it and are reused from the
+heap. ``benchmarks/moe_layer.py`` measures the difference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ELEMENTWISE = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU,
+                nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardtanh, nn.Identity)
+_ELEMENTWISE_FNS = {F.gelu, F.relu, F.silu, F.mish, F.elu, F.leaky_relu, F.softplus, torch.relu, torch.tanh,
+                    torch.sigmoid, F.tanh, F.sigmoid}
+
+
+def fusable_activation(activation) -> bool:
+    """True for a deterministic elementwise activation the fast path can run: one of ``nn.GELU``, ``nn.ReLU``,
+    ``nn.SiLU``, ``nn.Tanh``, ... (or ``F.gelu``, ``torch.relu``, ...), an ``nn.Sequential`` of them, or a
+    ``Dropout`` that is off (eval mode or ``p=0``). The backward recomputes the activation, so anything random
+    (Dropout in training: it would draw a new mask) or unknown runs through autograd instead."""
+    if isinstance(activation, nn.Sequential):
+        return all(fusable_activation(m) for m in activation)
+    if isinstance(activation, nn.modules.dropout._DropoutNd):
+        return not activation.training or activation.p == 0
+    if isinstance(activation, nn.Module):
+        return isinstance(activation, _ELEMENTWISE)
+    return activation in _ELEMENTWISE_FNS
+
+
+def _activation_grad(activation, pre: torch.Tensor, grad_post: torch.Tensor) -> torch.Tensor:
+    """d loss / d pre-activation, for ``post = activation(pre)``."""
+    if isinstance(activation, nn.GELU):
+        return torch.ops.aten.gelu_backward(grad_post, pre, approximate=activation.approximate)
+    with torch.enable_grad():
+        leaf = pre.detach().requires_grad_()
+        (grad_pre,) = torch.autograd.grad(activation(leaf), leaf, grad_post)
+    return grad_pre
+
+
+class ExpertMLPs(torch.autograd.Function):
+    """``y[rows of e] = act(x[rows of e] @ w1[e].T + b1[e]) @ w2[e].T + b2[e]`` for every expert ``e``.
+
+    ``params`` are ``E`` tensors each of ``w1 (1, h, d)``, ``b1 (1, h)``, ``w2 (1, d, h)``, ``b2 (1, d)`` in that
+    order: the experts' parameters as stored, so no view is recorded by autograd. Every intermediate is per
+    expert (``(n_e, h)``); only ``x``, ``y`` and ``grad_x`` span all rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x, counts: list, activation, *params):                 # x: (N, d) expert-contiguous
+        E = len(counts)
+        w1, b1, w2, b2 = (params[i * E:(i + 1) * E] for i in range(4))
+        out = x.new_empty(x.shape[0], w2[0].shape[1])                        # (N, d)
+        saved = []
+        for e, (n, xe, oe) in enumerate(zip(counts, x.split(counts), out.split(counts))):
+            if n == 0:
+                saved.append(None)
+                continue
+            pre = torch.addmm(b1[e][0], xe, w1[e][0].t())                   # (n_e, h)
+            post = activation(pre)                                          # (n_e, h)
+            torch.addmm(b2[e][0], post, w2[e][0].t(), out=oe)               # (n_e, d)
+            saved.append((pre, post))
+        ctx.counts, ctx.activation, ctx.hidden = counts, activation, saved
+        ctx.save_for_backward(x, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):                                            # (N, d)
+        x, *params = ctx.saved_tensors
+        counts, act, E = ctx.counts, ctx.activation, len(ctx.counts)
+        w1, w2 = params[:E], params[2 * E:3 * E]
+        grad_out = grad_out.contiguous()
+        grad_x = x.new_empty(x.shape)                                       # (N, d)
+        grads: list = [None] * (4 * E)
+        rows = zip(counts, grad_out.split(counts), x.split(counts), grad_x.split(counts), ctx.hidden)
+        for e, (n, g, xe, gx, hidden) in enumerate(rows):
+            if n == 0:
+                grads[e::E] = [torch.zeros_like(params[i * E + e]) for i in range(4)]
+                continue
+            pre, post = hidden
+            grads[2 * E + e] = (g.t() @ post).unsqueeze(0)                  # (1, d, h)
+            grads[3 * E + e] = g.sum(0, keepdim=True)                       # (1, d)
+            grad_pre = _activation_grad(act, pre, g @ w2[e][0])             # (n_e, h)
+            grads[e] = (grad_pre.t() @ xe).unsqueeze(0)                     # (1, h, d)
+            grads[E + e] = grad_pre.sum(0, keepdim=True)                    # (1, h)
+            torch.mm(grad_pre, w1[e][0], out=gx)                            # (n_e, d)
+        return (grad_x, None, None, *grads)
+
+
+def expert_mlps(x: torch.Tensor, counts: list, experts, activation) -> torch.Tensor:
+    """Run ``experts`` (``_Expert`` modules holding one expert each) on an expert-contiguous ``(N, d)`` buffer."""
+    params = [[e.htoh4.weight for e in experts], [e.htoh4.bias for e in experts],
+              [e.h4toh.weight for e in experts], [e.h4toh.bias for e in experts]]
+    with torch.autocast(x.device.type, enabled=False):   # in the weights' dtype, as fastmoe's kernels
+        return ExpertMLPs.apply(x.to(params[0][0].dtype), counts, activation, *params[0], *params[1], *params[2],
+                                *params[3])

@@ -1,0 +1,87 @@
+"""Token-choice top-k router as DeepSeek-V3 and torchtitan define it. (Taught in chapter 09.)
+
+``logits = x W`` (no bias); ``s = score_func(logits)`` (``softmax`` over experts, or ``sigmoid`` per expert);
+the top-k are chosen on ``s + expert_bias`` (the auxiliary-loss-free bias, selection only) but weighted by
+``s`` itself; ``route_norm`` divides the k weights by their sum; ``route_scale`` multiplies them
+(torchtitan's ``TokenChoiceTopKRouter``: ``score_func``, ``route_norm``, ``route_scale``).
+
+The router keeps fastmoe's gate interface (``tot_expert``, ``set_loss``/``get_loss``), so
+``collect_aux_loss`` and the trainer's ``ExpertLoadRecorder`` see it. Its stored loss is already weighted:
+``balance_coef * balance_loss + z_coef * z_loss`` (train with ``aux_coef=1``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .gates import BaseGate, check_finite_logits, check_gate_input
+from .router_losses import balance_loss, z_loss
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+BALANCE_KINDS = ("none", "batch", "sequence")
+
+
+class TopKRouter(BaseGate):
+    """``router(x, seq_len=None)`` with ``x`` ``(T, d)`` -> ``(idx (T, k), weights (T, k), scores (T, E))``.
+
+    * ``score_func``, ``route_norm``, ``route_scale``: as torchtitan's router (above).
+    * ``bias_rate``: ``None`` (no bias) or the step ``gamma`` of the auxiliary-loss-free bias (``expert_bias``
+      buffer, updated by :func:`labutils.moe.aux_free.update_expert_bias` after each optimiser step).
+    * ``balance``: ``"none"``, ``"batch"`` or ``"sequence"`` balancing loss, weighted by ``balance_coef``.
+    * ``z_coef``: weight of the ST-MoE z-loss (0 = off).
+    While training, ``tokens_per_expert`` accumulates the choices per expert (what the bias update reads).
+    """
+
+    expert_bias: torch.Tensor | None     # (E,) buffer, or None without bias_rate
+    tokens_per_expert: torch.Tensor      # (E,) buffer
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
+                 route_norm: bool = False, route_scale: float = 1.0, bias_rate: float | None = None,
+                 balance: str = "none", balance_coef: float = 0.01, z_coef: float = 0.0):
+        super().__init__(num_experts, 1)
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if balance not in BALANCE_KINDS:
+            raise ValueError(f"balance must be one of {BALANCE_KINDS}, got {balance!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        if bias_rate is not None and not bias_rate > 0:
+            raise ValueError(f"bias_rate must be None or > 0, got {bias_rate}")
+        self.d_model, self.top_k = d_model, top_k
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, float(route_scale)
+        self.bias_rate, self.balance, self.balance_coef, self.z_coef = bias_rate, balance, balance_coef, z_coef
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if bias_rate is not None else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.last_logits: torch.Tensor | None = None   # (T, E), detached: what chapter 09 plots
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """``(T, E)`` logits -> ``(T, E)`` scores (float32)."""
+        logits = logits.float()
+        return torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None):
+        check_gate_input(self, x, self.d_model, self.gate.weight.dtype)
+        logits = self.gate(x)                                                # (T, E)
+        check_finite_logits(self, logits)
+        s = self.scores(logits)                                              # (T, E)
+        choice = s if self.expert_bias is None else s + self.expert_bias     # selection only
+        idx = choice.topk(self.top_k, dim=-1).indices                        # (T, k)
+        w = s.gather(1, idx)                                                 # (T, k) from the unbiased scores
+        if self.route_norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * self.route_scale
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.tot_expert).float()
+        self.last_logits = logits.detach()
+        self.set_loss(self.aux_loss(logits, s, idx, seq_len))
+        return idx, w.to(x.dtype), s
+
+    def aux_loss(self, logits, s, idx, seq_len) -> torch.Tensor:
+        loss = logits.new_zeros((), dtype=torch.float32)
+        if self.balance != "none":
+            loss = loss + self.balance_coef * balance_loss(s, idx, seq_len if self.balance == "sequence" else None)
+        if self.z_coef:
+            loss = loss + self.z_coef * z_loss(logits)
+        return loss

@@ -1,0 +1,97 @@
+"""Chapter 09's experiment runner: one feed-forward variant in chapter 05's CharLM, trained over seeds.
+(Taught in chapter 09.)
+
+``run_variant(ffn, corpus, cfg, seeds)`` builds ``CharLM(corpus.vocab_size, cfg.d_model, cfg.n_heads,
+cfg.n_layers, cfg.block, ffn)`` per seed, trains it with :func:`labutils.train.train` (Adam, ``cfg.lr``,
+``cfg.steps``, batches ``CharBatches(seed=0)`` so every variant sees the same data) and returns validation
+curves and what every :class:`~labutils.moe.modern_layer.ModernMoE` layer recorded: load per step, dropped
+share, router logit scale (RMS, and the z-loss value ``lse2``). ``aux_coef=1``: the routers' stored losses are
+already weighted.
+Routers with an auxiliary-loss-free bias are updated before each optimiser step (torchtitan's pre-hook).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .data import CharBatches, fixed_windows
+from .models import CharLM
+from .moe.aux_free import attach_bias_update
+from .moe.modern_layer import ModernMoE
+from .train import evaluate_loss, lm_cross_entropy, train
+
+
+def balance_stats(counts: torch.Tensor) -> tuple[float, float]:
+    """``(max/mean, entropy / log E)`` of a ``(E,)`` count vector: 1 and 1 when perfectly balanced."""
+    c = counts.double()
+    p = c / c.sum().clamp_min(1)
+    return float(c.max() / c.mean().clamp_min(1e-12)), float(torch.special.entr(p).sum() / math.log(len(c)))
+
+
+def _layer_stats(layers: list[ModernMoE], window: int) -> dict:
+    """Per-window load balance (averaged over layers), mean dropped share, per-step logit RMS (layer mean)."""
+    if not layers:
+        return {}
+    per_layer = [torch.stack([h["counts"] for h in m.history]) for m in layers]    # L x (steps, E)
+    steps = per_layer[0].shape[0]
+    n = max(1, steps // window)
+    mm = torch.zeros(n)
+    ent = torch.zeros(n)
+    for c in per_layer:
+        for w in range(n):
+            a, b = balance_stats(c[w * window:(w + 1) * window if w < n - 1 else steps].sum(0))
+            mm[w] += a / len(per_layer)
+            ent[w] += b / len(per_layer)
+    return dict(max_over_mean=mm, entropy=ent,
+                dropped=sum(h["dropped"] for m in layers for h in m.history) / (steps * len(layers)),
+                logit_rms=torch.tensor([[h["logit_rms"] for h in m.history] for m in layers]).mean(0),
+                lse2=torch.tensor([[h["lse2"] for h in m.history] for m in layers]).mean(0))
+
+
+def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: str = "", progress: bool = False):
+    """Train one variant over ``seeds``; returns a dict of per-seed lists (``val``: (evals,) tensors, ``final``:
+    mean of the last two evaluations, ``max_over_mean``/``entropy``: per-window curves, ``dropped``,
+    ``logit_rms``/``lse2``: per-step curves, ``seconds``) and ``val_steps``."""
+    val_x, val_y = fixed_windows(corpus.val, 64, cfg.block)
+    out: dict = {k: [] for k in ("val", "final", "max_over_mean", "entropy", "dropped", "logit_rms", "lse2",
+                                  "seconds")}
+    for seed in seeds:
+        torch.manual_seed(seed)
+        model = CharLM(corpus.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.block, ffn)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        hook = attach_bias_update(opt, model)
+        r = train(model, CharBatches(corpus.train, cfg.batch, cfg.block, seed=0), steps=cfg.steps, optimizer=opt,
+                  loss_fn=lm_cross_entropy, aux_coef=1.0, eval_every=cfg.eval_every, record_load=False,
+                  eval_fn=lambda m: evaluate_loss(m, val_x, val_y, lm_cross_entropy), progress=progress,
+                  label=f"{label} seed {seed}")
+        hook.remove()
+        val = torch.tensor([v for _, v in r.val])
+        out["val"].append(val)
+        out["final"].append(float(val[-2:].mean()))
+        out["seconds"].append(r.seconds)
+        out["val_steps"] = [s for s, _ in r.val]
+        stats = _layer_stats([m for m in model.modules() if isinstance(m, ModernMoE)], max(1, cfg.steps // 10))
+        for k, v in stats.items():
+            out[k].append(v)
+    return out
+
+
+def _last_tenth(curves: list) -> float:
+    """Mean over seeds of each per-step curve's last tenth."""
+    return float(torch.stack([c[-max(1, len(c) // 10):].mean() for c in curves]).mean())
+
+
+def summary_row(res: dict) -> dict:
+    """Mean and std over seeds of the final validation loss and the last window's balance numbers."""
+    f = torch.tensor(res["final"])
+    row = dict(val=float(f.mean()), val_std=float(f.std()) if len(f) > 1 else 0.0,
+               seconds=sum(res["seconds"]) / len(res["seconds"]))
+    if res["max_over_mean"]:
+        row.update(max_over_mean=float(torch.stack([c[-1] for c in res["max_over_mean"]]).mean()),
+                   entropy=float(torch.stack([c[-1] for c in res["entropy"]]).mean()),
+                   dropped=sum(res["dropped"]) / len(res["dropped"]),
+                   logit_rms=_last_tenth(res["logit_rms"]), lse2=_last_tenth(res["lse2"]))
+    return row
