@@ -11,7 +11,9 @@ version (3.11.7 for the committed outputs); :func:`stdlib_corpus` reports a SHA-
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
+import pathlib
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -25,11 +27,27 @@ STDLIB_FILES = ("argparse.py", "ast.py", "calendar.py", "configparser.py", "copy
                 "typing.py")
 
 
+def _size(name: str, value, minimum: int = 1) -> int:
+    """An int >= ``minimum`` (bools and floats refused), or a ValueError naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_state(stream, state, keys: tuple) -> None:
+    """A stream state with the keys ``keys``, or an error naming what is missing (another stream's state?)."""
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{type(stream).__name__}.load_state_dict: the state lacks {missing} "
+                         f"(a state of another kind of stream?); it has {got}")
+
+
 class RandomPairs:
     """An endless stream of independent N(0, 1) ``(x, y)`` of shape ``(batch, T, d)``: the book's random data."""
 
     def __init__(self, batch: int, T: int, d: int, seed: int = 0):
-        self.shape = (batch, T, d)
+        self.shape = (_size("batch", batch), _size("T", T), _size("d", d))
         self.gen = torch.Generator().manual_seed(seed)
         self.position = 0
 
@@ -43,6 +61,7 @@ class RandomPairs:
         return {"gen": self.gen.get_state(), "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
+        _check_state(self, state, ("gen", "position"))
         self.gen.set_state(state["gen"])
         self.position = int(state["position"])
 
@@ -51,9 +70,13 @@ class EpochBatches:
     """A fixed dataset ``(x, y)`` cut into minibatches, reshuffled every epoch (``drop_last``)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, shuffle: bool = True, seed: int = 0):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise TypeError(f"x and y must be tensors, got {type(x).__name__} and {type(y).__name__}")
+        if x.ndim == 0 or y.ndim == 0:
+            raise ValueError(f"x and y need a sample dimension first, got shapes {tuple(x.shape)} and {tuple(y.shape)}")
         if len(x) != len(y):
             raise ValueError(f"x and y have different lengths {len(x)} and {len(y)}")
-        if batch_size > len(x):
+        if _size("batch_size", batch_size) > len(x):
             raise ValueError(f"batch_size={batch_size} exceeds the {len(x)} samples")
         self.x, self.y, self.batch_size, self.shuffle = x, y, batch_size, shuffle
         self.gen = torch.Generator().manual_seed(seed)
@@ -76,6 +99,11 @@ class EpochBatches:
         return {"gen": self.gen.get_state(), "epoch": self.epoch, "index": self.index, "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
+        _check_state(self, state, ("gen", "epoch", "index", "order"))
+        if len(state["order"]) != len(self.x) or not 0 <= int(state["index"]) <= self.batches_per_epoch:
+            raise ValueError(f"EpochBatches.load_state_dict: the state is of a dataset of {len(state['order'])} "
+                             f"samples at batch {int(state['index'])}, this one has {len(self.x)} samples in "
+                             f"{self.batches_per_epoch} batches of {self.batch_size}")
         self.gen.set_state(state["gen"])
         self.epoch, self.index, self.order = int(state["epoch"]), int(state["index"]), state["order"]
 
@@ -120,7 +148,14 @@ def read_stdlib(files=STDLIB_FILES) -> str:
 
 def char_corpus(text: str, *, val_every: int = 10, chunk: int = 4096, source: str = "text") -> Corpus:
     """Encode ``text`` by characters; every ``val_every``-th chunk of ``chunk`` characters is validation."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    _size("val_every", val_every, minimum=2)
+    _size("chunk", chunk)
     text = _clean(text)
+    if -(-len(text) // chunk) < val_every:  # fewer chunks than val_every: no validation chunk
+        raise ValueError(f"text has {len(text)} characters: with chunk={chunk} and val_every={val_every} the "
+                         f"validation split needs more than {chunk * (val_every - 1)}; lower chunk or val_every")
     chars = "".join(sorted(set(text) | {"?"}))
     lookup = torch.full((128,), -1, dtype=torch.long)
     lookup[torch.tensor([ord(c) for c in chars])] = torch.arange(len(chars))
@@ -130,6 +165,50 @@ def char_corpus(text: str, *, val_every: int = 10, chunk: int = 4096, source: st
     train = torch.cat([p for i, p in enumerate(pieces) if i % val_every != val_every - 1])
     digest = hashlib.sha256(text.encode("ascii")).hexdigest()
     return Corpus(len(text), digest, chars, train, val, source)
+
+
+# Folders of the stdlib that are not ordinary source: tests, codec tables, generated documentation strings.
+SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data"})
+VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))  # 96 characters: newline and printable ASCII
+
+
+def stdlib_sources(root: str | None = None) -> list:
+    """Every pure-Python source file of the stdlib outside ``SKIP_DIRS``, as sorted relative paths."""
+    base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    return sorted(str(p.relative_to(base)) for p in base.rglob("*.py")
+                  if not SKIP_DIRS & set(p.relative_to(base).parts[:-1]))
+
+
+def is_validation_file(relpath: str, one_in: int) -> bool:
+    """A file is held out when the SHA-256 of its path is 0 modulo ``one_in``: stable across machines."""
+    return int(hashlib.sha256(relpath.encode()).hexdigest(), 16) % one_in == 0
+
+
+def stdlib_file_corpus(one_in: int = 25, root: str | None = None) -> Corpus:
+    """The whole pure-Python stdlib, split **by file**: about one file in ``one_in`` is validation, so no
+    validation text sits inside a training file. Vocabulary: the fixed 96 characters of ``VOCAB``. (Chapter 05.)"""
+    _size("one_in", one_in, minimum=2)
+    base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_sources(str(base))
+    parts: dict = {True: [], False: []}
+    for rel in files:
+        parts[is_validation_file(rel, one_in)].append(f"# ---- {rel} ----\n" + (base / rel).read_text("utf-8"))
+    if not parts[True] or not parts[False]:
+        raise ValueError(f"{len(files)} files under {base}: one_in={one_in} leaves an empty split")
+    lookup = torch.full((128,), VOCAB.index("?"), dtype=torch.long)
+    lookup[torch.tensor([ord(c) for c in VOCAB])] = torch.arange(len(VOCAB))
+
+    def encode(texts):
+        text = _clean("\n".join(texts))
+        return text, lookup[torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8).long()]
+
+    train_text, train = encode(parts[False])
+    val_text, val = encode(parts[True])
+    digest = hashlib.sha256((train_text + "\0" + val_text).encode("ascii")).hexdigest()
+    version = ".".join(map(str, sys.version_info[:3]))
+    source = (f"Python {version} stdlib: {len(parts[False])} training files, {len(parts[True])} validation files "
+              f"(split by file)")
+    return Corpus(len(train_text) + len(val_text), digest, VOCAB, train, val, source)
 
 
 def stdlib_corpus(files=STDLIB_FILES, **kwargs) -> Corpus:
@@ -142,8 +221,14 @@ class CharBatches:
     """Random windows of ``block_size + 1`` characters: inputs ``(B, T)``, targets shifted by one ``(B, T)``."""
 
     def __init__(self, data: torch.Tensor, batch_size: int, block_size: int, seed: int = 0):
-        if len(data) <= block_size:
-            raise ValueError(f"data has {len(data)} tokens, need more than block_size={block_size}")
+        if not isinstance(data, torch.Tensor) or data.ndim != 1 or data.is_floating_point() or data.is_complex():
+            raise ValueError("data must be a 1-D tensor of token ids (e.g. corpus.train), got "
+                             + (f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor)
+                                else type(data).__name__))
+        _size("batch_size", batch_size)
+        if len(data) <= _size("block_size", block_size):
+            raise ValueError(f"data has {len(data)} tokens, need at least block_size + 1 = {block_size + 1} "
+                             "(a window and its shifted target)")
         self.data, self.batch_size, self.block_size = data, batch_size, block_size
         self.gen = torch.Generator().manual_seed(seed)
         self.position = 0
@@ -159,11 +244,13 @@ class CharBatches:
         return {"gen": self.gen.get_state(), "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
+        _check_state(self, state, ("gen", "position"))
         self.gen.set_state(state["gen"])
         self.position = int(state["position"])
 
 
 def fixed_windows(data: torch.Tensor, n: int, block_size: int, seed: int = 1234):
     """``n`` fixed windows for validation: ``(inputs (n, T), targets (n, T))``, the same on every call."""
+    _size("n", n)
     stream = CharBatches(data, n, block_size, seed=seed)
     return stream.next_batch()
