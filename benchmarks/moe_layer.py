@@ -76,16 +76,16 @@ MEMORY_CHILD = """
 import json, resource, sys, torch
 sys.path.insert(0, {root!r})
 from labutils.perf.layer_bench import build_rows
-rows = build_rows(**{shape!r}, deepspeed_factors=(1.0,))
-row = next(r for r in rows if r.name.startswith({name!r}))
-del rows
+import deepspeed.moe.layer  # imported in both rows' processes, so the baselines match
 def rss_kb():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
-before = rss_kb()
+base = rss_kb()                      # torch (and deepspeed) imported, nothing built
+row, = build_rows(**{shape!r}, deepspeed_factors=(1.0,), only={name!r})
+before = rss_kb()                    # weights and inputs of this one row
 for _ in range(3):
     row.run()
-print(json.dumps({{"row": row.name, "rss_before_mb": before / 1024,
+print(json.dumps({{"row": row.name, "rss_base_mb": base / 1024, "rss_before_mb": before / 1024,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
 

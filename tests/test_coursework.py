@@ -407,7 +407,7 @@ def test_no_import_cycles_and_no_import_climbs_up():
         short = m.removeprefix("labutils.")
         if short.startswith("perf"):
             return 5
-        if short.startswith(("models", "train", "toys", "data_parallel", "ds.runtime", "ds")):
+        if short.startswith(("models", "train", "toys", "data_parallel", "ds.runtime", "ds", "lm_study")):
             return 4 if short != "ds.gating" else 1
         if short.startswith("moe"):
             return 3

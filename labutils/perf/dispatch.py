@@ -157,11 +157,13 @@ _CORE_LAYERS: dict = {}
 
 def per_expert_tensors(p: Problem) -> dict:
     """The problem's fused ``(E, ...)`` expert weights as fastmoe's per-expert names (``experts.<i>.htoh4.weight``
-    of shape ``(1, h, d)``): views, so gradients land in the problem's tensors."""
+    of shape ``(1, h, d)``): views, so gradients land in the problem's tensors. One ``split`` per tensor, so the
+    backward is one concatenation of the E gradients (per-expert slicing ``t[i:i + 1]`` would give each expert's
+    gradient its own zero-filled full-size buffer: E times the memory traffic of the weights)."""
     out = {"gate.logits": p.logits}
-    for i in range(p.E):
-        for name, t in (("htoh4.weight", p.w1), ("htoh4.bias", p.b1), ("h4toh.weight", p.w2), ("h4toh.bias", p.b2)):
-            out[f"experts.{i}.{name}"] = t[i:i + 1]
+    for name, t in (("htoh4.weight", p.w1), ("htoh4.bias", p.b1), ("h4toh.weight", p.w2), ("h4toh.bias", p.b2)):
+        for i, view in enumerate(t.split(1)):
+            out[f"experts.{i}.{name}"] = view
     return out
 
 

@@ -173,23 +173,35 @@ def _ds_share(gate_out, k) -> float:
     return dispatch.sum().item() / (dispatch.shape[0] * k)
 
 
-def build_rows(T, d, h, E, top_k=2, deepspeed_factors=(1.0,), naive=False, seed=0) -> list:
-    """Every row of the table on one shape, built from the same seeded input and output gradient."""
+def build_rows(T, d, h, E, top_k=2, deepspeed_factors=(1.0,), naive=False, seed=0, only: str | None = None) -> list:
+    """Every row of the table on one shape, built from the same seeded input and output gradient.
+    ``only``: build just the rows whose name starts with it (a memory measurement must not hold the others)."""
     torch.manual_seed(seed)
     x, grad = torch.randn(T, d), torch.randn(T, d)
-    dense = mlp(d, top_k * h)
-    sliced = SlicedMLPs(d, h, E, top_k)
-    rows = [_Row(REFERENCE, dense, _fwd_bwd(dense, x, grad)),
-            _Row("E MLPs, pre-sliced", sliced, _fwd_bwd(sliced, x, grad.repeat(top_k, 1)))]
-    for name, cls in (("argsort + index_add", ArgsortMoE), ("grouped_mm, sorted rows", GroupedMMMoE)):
-        layer = cls(d, h, E, top_k)
-        rows.append(_Row(name, layer, _fwd_bwd(layer, x, grad)))
+
+    def plain(name, make, g=grad):
+        return lambda: [_Row(name, layer := make(), _fwd_bwd(layer, x, g))]
+
+    makers = [(REFERENCE, plain(REFERENCE, lambda: mlp(d, top_k * h))),
+              ("E MLPs, pre-sliced", plain("E MLPs, pre-sliced", lambda: SlicedMLPs(d, h, E, top_k),
+                                           grad.repeat(top_k, 1))),
+              ("argsort + index_add", plain("argsort + index_add", lambda: ArgsortMoE(d, h, E, top_k))),
+              ("grouped_mm, sorted rows", plain("grouped_mm, sorted rows", lambda: GroupedMMMoE(d, h, E, top_k)))]
     if naive:
-        layer = NaiveLoopMoE(d, h, E, top_k)
-        rows.append(_Row("naive loop", layer, _fwd_bwd(layer, x, grad)))
+        makers.append(("naive loop", plain("naive loop", lambda: NaiveLoopMoE(d, h, E, top_k))))
     if deepspeed_factors:
-        rows += _deepspeed_rows(x, grad, d, h, top_k, E, deepspeed_factors)
-    rows += [_ours_row(x, grad, d, h, top_k, E), _ours_row(x, grad, d, h, top_k, E, "ours, again")]
+        makers.append(("DeepSpeed", lambda: _deepspeed_rows(x, grad, d, h, top_k, E, deepspeed_factors)))
+    makers += [("ours (", lambda: [_ours_row(x, grad, d, h, top_k, E)]),
+               ("ours, again", lambda: [_ours_row(x, grad, d, h, top_k, E, "ours, again")])]
+    rows = []
+    for i, (name, make) in enumerate(makers):
+        if only is None or name.startswith(only) or only.startswith(name):
+            torch.manual_seed(seed + i + 1)  # each layer's weights: the same whichever rows are built
+            rows += make()
+    if only is not None:
+        rows = [r for r in rows if r.name.startswith(only)]
+        if not rows:
+            raise ValueError(f"no row starts with {only!r}")
     return rows
 
 
