@@ -322,3 +322,17 @@ def test_quartiles_and_paired_speedup_can_tell_a_slower_row():
     assert paired_speedup(slow, fast)[0] == 0.5 and paired_speedup(fast, slow)[0] == 2.0
     dropping = {"share": 0.5, "times_ms": [10.0, 11.0, 12.0]}            # same time, half the tokens kept
     assert paired_speedup(fast, dropping)[0] == 2.0
+
+
+def test_bench_rows_can_be_built_alone_with_the_same_weights():
+    """benchmarks/moe_layer.py --memory builds one row per process: the others must not be in its peak RSS."""
+    from labutils.perf.layer_bench import build_rows
+
+    every = {r.name: r for r in build_rows(T=16, d=8, h=16, E=4, deepspeed_factors=())}
+    (alone,) = build_rows(T=16, d=8, h=16, E=4, deepspeed_factors=(), only="ours (")
+    assert alone.name == "ours (FMoETransformerMLP)" and len(every) == 6
+    mine = dict(alone.module.named_parameters())
+    theirs = dict(every[alone.name].module.named_parameters())
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)  # same seed per row, whichever rows are built
+    with pytest.raises(ValueError, match="no row starts with"):
+        build_rows(T=16, d=8, h=16, E=4, deepspeed_factors=(), only="nope")
