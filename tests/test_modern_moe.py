@@ -258,3 +258,16 @@ def test_chapter_09_checkers_reject_the_library():
     with pytest.raises(AssertionError):
         check_exercise("expert choice", expert_choice_route, expert_choice_route, case,
                        forbidden=[expert_choice_route])
+
+
+def test_chapter_09_variants_and_the_ranking_of_a_record():
+    from labutils import train_modern
+
+    table = train_modern.variants(16, 1e-3)
+    assert len(table) == 10 and all(isinstance(make(), torch.nn.Module) for make in table.values())
+    record = {"variants": [{"name": n, "row": {"val": v, "val_std": sd}}
+                           for n, v, sd in (("a", 1.50, 0.01), ("b", 1.51, 0.01), ("c", 1.60, 0.01))]}
+    lines = train_modern.ranking_lines(record)
+    assert lines[0].startswith("a") and "best" in lines[0]
+    assert "level with the best" in lines[1] and lines[2].rstrip().endswith("worse")
+    assert set(train_modern.PRESETS) == {"tiny", "full"}
