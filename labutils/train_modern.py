@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .data import CharBatches, fixed_windows
-from .models import CharLM
+from .models import CharLM, make_ffn
 from .moe.aux_free import attach_bias_update
 from .moe.modern_layer import ModernMoE
 from .train import evaluate_loss, lm_cross_entropy, train
@@ -95,3 +95,76 @@ def summary_row(res: dict) -> dict:
                    dropped=sum(res["dropped"]) / len(res["dropped"]),
                    logit_rms=_last_tenth(res["logit_rms"]), lse2=_last_tenth(res["lse2"]))
     return row
+
+
+# --- chapter 09's variants and its recorded full run -------------------------------------------------------
+
+PRESETS = {
+    "tiny": dict(d_model=32, n_heads=4, n_layers=1, block=32, batch=16, steps=48, eval_every=16, seeds=(0, 1),
+                 lr=6e-3, bias_rate=1e-2),
+    # chapter 05's full-size model (d 64, 2 layers, 64 characters of context), 1000 steps, 3 seeds
+    "full": dict(d_model=64, n_heads=4, n_layers=2, block=64, batch=32, steps=1000, eval_every=250,
+                 seeds=(0, 1, 2), lr=3e-3, bias_rate=1e-3),
+}
+
+
+def variants(d: int, bias_rate: float) -> dict:
+    """Chapter 09's ten feed-forwards at equal active expert width ``4 d`` (grouped-GEMM experts)."""
+    return {
+        "dense": lambda: make_ffn("dense", d, 4 * d),
+        "top-2/8, no balancing": lambda: ModernMoE(d, 2 * d, 8, 2, impl="grouped"),
+        "top-2/8, batch loss": lambda: ModernMoE(d, 2 * d, 8, 2, balance="batch", impl="grouped"),
+        "top-2/8, sequence loss": lambda: ModernMoE(d, 2 * d, 8, 2, balance="sequence", impl="grouped"),
+        "top-2/8, sigmoid, aux-free": lambda: ModernMoE(d, 2 * d, 8, 2, score_func="sigmoid", route_norm=True,
+                                                        bias_rate=bias_rate, impl="grouped"),
+        "top-2/8, batch loss + z-loss": lambda: ModernMoE(d, 2 * d, 8, 2, balance="batch", z_coef=1e-3,
+                                                          impl="grouped"),
+        "fine-grained top-8/32": lambda: ModernMoE(d, d // 2, 32, 8, balance="batch", impl="grouped"),
+        "shared 1 + top-1/8": lambda: ModernMoE(d, 2 * d, 8, 1, n_shared=1, balance="batch", impl="grouped"),
+        "expert choice, c=2": lambda: ModernMoE(d, 2 * d, 8, 2, routing="expert", capacity_factor=2.0,
+                                                impl="grouped"),
+        "top-2/8, dropping cf=1": lambda: ModernMoE(d, 2 * d, 8, 2, balance="batch", capacity_factor=1.0,
+                                                    impl="grouped"),
+    }
+
+
+def _record_one(preset: dict, name: str) -> dict:
+    """In a worker: one variant over the preset's seeds, one thread, reduced to JSON-able numbers."""
+    from types import SimpleNamespace
+
+    from .data import stdlib_corpus
+
+    torch.set_num_threads(1)
+    cfg = SimpleNamespace(**preset)
+    res = run_variant(variants(cfg.d_model, cfg.bias_rate)[name], stdlib_corpus(), cfg, seeds=cfg.seeds)
+    row = summary_row(res)
+    return {"name": name, "row": row, "final": res["final"], "val_steps": res["val_steps"],
+            "val_mean": torch.stack(res["val"]).mean(0).tolist(), "seconds": res["seconds"]}
+
+
+def record_full(preset: dict, jobs: int = 2) -> dict:
+    """Every variant of ``preset`` over its seeds, ``jobs`` variants side by side (one thread each)."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    names = list(variants(preset["d_model"], preset["bias_rate"]))
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        done = dict(zip(names, pool.map(_record_one, [preset] * len(names), names)))
+    return {"preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()}, "jobs": jobs,
+            "wall_seconds": time.perf_counter() - t0, "variants": [done[n] for n in names]}
+
+
+def ranking_lines(record: dict) -> list:
+    """Each variant against the best one, judged by twice the larger seed std of the two (from the record)."""
+    rows = sorted(record["variants"], key=lambda v: v["row"]["val"])
+    best = rows[0]
+    lines = []
+    for v in rows:
+        gap = v["row"]["val"] - best["row"]["val"]
+        noise = 2 * max(v["row"]["val_std"], best["row"]["val_std"])
+        word = "best" if v is best else ("level with the best (within 2 std)" if gap <= noise else "worse")
+        lines.append(f"{v['name']:<30} {v['row']['val']:.4f} ± {v['row']['val_std']:.4f}   {gap:+.4f}  {word}")
+    return lines
