@@ -117,6 +117,8 @@ def train_flops_per_token(cfg: StudyConfig, variant: Variant, vocab_size: int) -
 def heldout_loss(model, data: torch.Tensor, block: int, batch: int = 256) -> float:
     """Mean next-character cross-entropy over ``data`` cut into consecutive windows of ``block`` characters."""
     n = (len(data) - 1) // block
+    if n == 0:
+        raise ValueError(f"held-out data has {len(data)} tokens: need at least block + 1 = {block + 1}")
     x = data[: n * block].view(n, block)               # (n, T)
     y = data[1: n * block + 1].view(n, block)          # (n, T)
     total = 0.0
@@ -182,6 +184,9 @@ def _run_one(cfg: StudyConfig, name: str, seed: int) -> dict:
 
 def run_study(cfg: StudyConfig, jobs: int = 1, log=print) -> dict:
     """Every main model on every seed, then each ablation on the first seed; ``jobs`` processes at a time."""
+    if not cfg.seeds or isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"need at least one seed and jobs >= 1, got seeds={cfg.seeds!r}, jobs={jobs!r}")
+    variants(cfg)  # unknown ablations fail here, before any process starts
     corpus = corpus_for(cfg.val_one_in)
     todo = [(name, seed) for seed in cfg.seeds for name in MAIN] + [(a, cfg.seeds[0]) for a in cfg.ablations]
     t0 = time.perf_counter()
@@ -260,6 +265,9 @@ def steps_to_reach(steps: list, losses: list, target: float) -> float | None:
 def summarize(record: dict) -> dict:
     """The verdicts, each computed from the record: regime check, MoE vs dense, steps speed-up."""
     c = curves(record)
+    missing = [name for name in MAIN if name not in c]
+    if missing:
+        raise ValueError(f"the record has no run of {missing}: summarize compares {list(MAIN)}")
     dense, moe, wide = c["dense"], c["MoE"], c["dense-wide"]
     noise = math.sqrt((dense.final_std ** 2 + moe.final_std ** 2) / 2)  # pooled seed standard deviation
     wide_noise = math.sqrt((dense.final_std ** 2 + wide.final_std ** 2) / 2)

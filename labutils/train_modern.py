@@ -160,6 +160,8 @@ def record_full(preset: dict, jobs: int = 2) -> dict:
 def ranking_lines(record: dict) -> list:
     """Each variant against the best one, judged by twice the larger seed std of the two (from the record)."""
     rows = sorted(record["variants"], key=lambda v: v["row"]["val"])
+    if not rows:
+        raise ValueError("the record holds no variant to rank")
     best = rows[0]
     lines = []
     for v in rows:

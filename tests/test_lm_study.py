@@ -92,3 +92,16 @@ def test_ablations_are_judged_against_the_same_seed_and_the_seed_spread():
     lines = lm_study.ablation_lines(record)                   # MoE seed std 0.014: 2 x = 0.028
     assert lines[0].startswith("top-1") and "-0.1000" in lines[0] and "better than MoE" in lines[0]
     assert lines[1].startswith("E=4") and "+0.0100" in lines[1] and "within the noise" in lines[1]
+
+
+def test_bad_input_is_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match="need at least block"):
+        lm_study.heldout_loss(torch.nn.Identity(), torch.arange(10), block=64)
+    with pytest.raises(ValueError, match="jobs >= 1"):
+        lm_study.run_study(TINY, jobs=0)
+    with pytest.raises(ValueError, match="at least one seed"):
+        lm_study.run_study(dataclasses.replace(TINY, seeds=()))
+    with pytest.raises(ValueError, match="unknown ablation"):
+        lm_study.run_study(dataclasses.replace(TINY, ablations=("top-9",)))
+    with pytest.raises(ValueError, match=r"no run of \['dense-wide'\]"):
+        lm_study.summarize(fake_record({"dense": [2.0, 2.0], "MoE": [1.9, 1.9]}))

@@ -271,3 +271,10 @@ def test_chapter_09_variants_and_the_ranking_of_a_record():
     assert lines[0].startswith("a") and "best" in lines[0]
     assert "level with the best" in lines[1] and lines[2].rstrip().endswith("worse")
     assert set(train_modern.PRESETS) == {"tiny", "full"}
+
+
+def test_an_empty_record_cannot_be_ranked():
+    from labutils import train_modern
+
+    with pytest.raises(ValueError, match="no variant"):
+        train_modern.ranking_lines({"variants": []})
