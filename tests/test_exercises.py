@@ -4,7 +4,7 @@ import torch
 
 from labutils.exercises import OffLimits, check_exercise, forbid
 from labutils.moe import FMoETransformerMLP, count_by_gate
-from labutils.moe.functions import MOECombine
+from labutils.moe.functions import MOEGatherCombine
 
 
 def honest(gate_idx, num_expert):
@@ -42,7 +42,7 @@ def test_forbid_blocks_modules_and_autograd_functions_and_restores_them():
     before = layer(x)
     with forbid(FMoETransformerMLP), pytest.raises(OffLimits, match="FMoETransformerMLP is off limits"):
         layer(x)
-    with forbid(MOECombine), pytest.raises(OffLimits, match="MOECombine is off limits"):
+    with forbid(MOEGatherCombine), pytest.raises(OffLimits, match="MOEGatherCombine is off limits"):
         layer(x)
     with forbid(count_by_gate), pytest.raises(OffLimits):
         count_by_gate(torch.tensor([[0, 1]]), 2)

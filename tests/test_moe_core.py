@@ -144,6 +144,36 @@ def test_gather_and_combine_steps_match_their_definitions_in_float64(top_k, drop
         combine(y_choices[:-1], score)
 
 
+@pytest.mark.parametrize("top_k,drop", [(1, False), (2, False), (3, True), (2, True)])
+def test_fused_gather_combine_equals_the_two_steps(top_k, drop):
+    """gather_combine (what FMoE runs) against combine(gather(...)): gradcheck in float64, equal outputs and
+    gradients in float32, a float16 score's gradient in float16; bad sizes refused."""
+    from labutils.moe.functions import combine, gather, gather_combine
+    torch.manual_seed(1)
+    T, E, d = 9, 5, 6
+    idx = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
+    if drop:
+        idx[::2, -1] = -1
+    pos, _ = count_by_gate(idx, E)
+    y = torch.randn(pos.numel(), d, dtype=torch.float64, requires_grad=True)
+    s = torch.rand(T, top_k, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda y, s: gather_combine(y, pos, s), (y, s))
+    y32, s32 = y.detach().float().requires_grad_(), s.detach().float().requires_grad_()
+    y32b, s32b = y32.detach().clone().requires_grad_(), s32.detach().clone().requires_grad_()
+    g = torch.randn(T, d)
+    out_fused, out_steps = gather_combine(y32, pos, s32), combine(gather(y32b, pos, T * top_k), s32b)
+    out_fused.backward(g)
+    out_steps.backward(g)
+    for name, a, b in [("out", out_fused, out_steps), ("grad y", y32.grad, y32b.grad), ("grad s", s32.grad, s32b.grad)]:
+        assert compare_tensors(name, a, b, atol=1e-6, rtol=0).close, name
+    # negative control: the same comparison catches a wrong position order
+    assert not torch.allclose(gather_combine(y32.detach(), pos.flip(0), s32.detach()), out_steps.detach(), atol=1e-3)
+    s16 = s32.detach().half().requires_grad_()
+    gather_combine(y32.detach(), pos, s16).sum().backward()
+    assert s16.grad is not None and s16.grad.dtype == torch.float16
+    with pytest.raises(ValueError, match="rows for"):
+        gather_combine(y32[:-1], pos, s32)
+
 def test_collect_aux_loss_sums_and_clears():
     model = nn.Sequential(make_layer(GShardGate, 2, dict(capacity=(2.0, 2.0))),
                           make_layer(SwitchGate, 1, dict(capacity=(2.0, 2.0)), seed=1))
@@ -309,7 +339,24 @@ def test_speed_table_rows_and_statistics_are_consistent():
     want = statistics.median(a / b for a, b in zip(ref["times_ms"], ours["times_ms"]))
     assert math.isclose(ours["ratio_paired_median"], want)
     assert math.isclose(paired_speedup(ours, ref)[0], want)       # same shares: throughput ratio = time ratio
-    assert "paired median" in format_table(r)
+    assert "paired median" in format_table(r) and "faults MB" in format_table(r)
+    assert r["order"] == "seeded random order per round"
+    assert all(row["faults_mb_per_step"] is not None and row["faults_mb_per_step"] >= 0 for row in rows.values())
+
+
+def test_rounds_run_in_seeded_random_orders_and_faults_are_counted():
+    """Each round is a permutation of the rows, seeded (the same run twice gives the same orders), and not the
+    same order every round (negative control: a fixed order would give every row one neighbour throughout).
+    The fault counter sees memory first touched inside a step: a fresh 64 MB buffer is >= 8 MB of faults."""
+    from labutils.perf.layer_bench import PAGE_BYTES, minor_faults, round_orders
+
+    orders = round_orders(7, 15, seed=0)
+    assert all(sorted(o) == list(range(7)) for o in orders) and orders == round_orders(7, 15, seed=0)
+    assert len({tuple(o) for o in orders}) > 1
+    assert [o.index(0) for o in orders] != [orders[0].index(0)] * 15  # the reference moves too
+    before = minor_faults()
+    torch.ones(16 * 2 ** 20)                                          # 64 MB, touched once
+    assert (minor_faults() - before) * PAGE_BYTES >= 8 * 2 ** 20
 
 
 def test_quartiles_and_paired_speedup_can_tell_a_slower_row():

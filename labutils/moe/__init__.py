@@ -14,7 +14,7 @@ fastmoe's functional API (``fmoe.functions``: ``count_by_gate`` -> ``(pos, lec, 
 from .balance_gates import DCGate, SwipeGate, ZeroGate
 from .capacity import drop_over_capacity, limit_by_capacity, position_in_expert
 from .capacity_gates import GShardGate, SwitchGate
-from .functions import check_gate_output, combine, count_by_gate, gather, scatter
+from .functions import check_gate_output, combine, count_by_gate, gather, gather_combine, scatter
 from .gates import BaseGate, NaiveGate, NoisyGate, collect_aux_loss, cv_squared
 from .layers import FMoE
 from .linear import FMoELinear, MOELinear
@@ -24,5 +24,5 @@ __all__ = [
     "FMoE", "FMoELinear", "FMoETransformerMLP", "MOELinear",
     "BaseGate", "NaiveGate", "NoisyGate", "GShardGate", "SwitchGate", "ZeroGate", "DCGate", "SwipeGate",
     "collect_aux_loss", "cv_squared", "limit_by_capacity", "drop_over_capacity", "position_in_expert",
-    "count_by_gate", "scatter", "gather", "combine", "check_gate_output",
+    "count_by_gate", "scatter", "gather", "combine", "gather_combine", "check_gate_output",
 ]

@@ -125,6 +125,53 @@ def combine(y_choices: torch.Tensor, gate_score: torch.Tensor) -> torch.Tensor:
     return MOECombine.apply(y_choices, gate_score)
 
 
+class MOEGatherCombine(torch.autograd.Function):
+    """``combine(gather(y_sorted, pos, T*k), gate_score)`` in one pass, without the ``(T*k, d)`` buffer.
+
+    Forward reads each token's ``k`` expert rows straight from the expert-sorted buffer. Backward gives each
+    sorted row ``score * grad[its token]`` (one ``index_select`` and an in-place multiply) and each score the
+    dot of ``grad[token]`` with its row. Two fewer ``(T*k, d)`` buffers per step than the two named steps.
+    """
+
+    @staticmethod
+    def forward(ctx, y_sorted, pos, gate_score):
+        T, k = gate_score.shape
+        score = gate_score.to(y_sorted.dtype)                                # (T, k)
+        if pos.numel() == T * k:   # nothing dropped: pos is a permutation, read rows through its inverse
+            inv = torch.empty_like(pos).index_copy_(0, pos, torch.arange(T * k, device=pos.device))
+            y = y_sorted.index_select(0, inv).view(T, k, y_sorted.shape[-1])  # (T, k, d)
+            out = y[:, 0] * score[:, :1]                                     # (T, d)
+            for j in range(1, k):
+                out.addcmul_(y[:, j], score[:, j:j + 1])
+        else:                      # dropped choices add nothing: weight the kept rows, add them per token
+            weighted = y_sorted * score.reshape(-1).index_select(0, pos)[:, None]       # (N, d)
+            out = y_sorted.new_zeros(T, y_sorted.shape[-1]).index_add_(0, pos // k, weighted)
+        ctx.save_for_backward(y_sorted, pos, score)
+        ctx.score_dtype = gate_score.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):                                                 # (T, d)
+        y_sorted, pos, score = ctx.saved_tensors
+        T, k = score.shape
+        grad_rows = grad.index_select(0, torch.div(pos, k, rounding_mode="floor"))  # (N, d) grad of each row's token
+        grad_score = None
+        if ctx.needs_input_grad[2]:
+            dots = torch.linalg.vecdot(grad_rows, y_sorted)                  # (N,)
+            grad_score = dots.new_zeros(T * k).index_copy_(0, pos, dots).view(T, k).to(ctx.score_dtype)
+        grad_y = grad_rows.mul_(score.reshape(-1).index_select(0, pos)[:, None]) if ctx.needs_input_grad[0] else None
+        return grad_y, None, grad_score
+
+
+def gather_combine(y_sorted: torch.Tensor, pos: torch.Tensor, gate_score: torch.Tensor) -> torch.Tensor:
+    """``combine(gather(y_sorted, pos, T*k), gate_score)`` fused: ``(N, d)`` sorted rows -> ``(T, d)``."""
+    T, k = gate_score.shape
+    if pos.numel() != y_sorted.shape[0] or pos.numel() > T * k:
+        raise ValueError(f"gather_combine got {y_sorted.shape[0]} rows for {pos.numel()} positions and "
+                         f"{T} tokens x top_k={k}")
+    return MOEGatherCombine.apply(y_sorted, pos, gate_score)
+
+
 def check_gate_output(gate_idx, gate_score, num_tokens: int, top_k: int, tot_expert: int):
     """Validate a gate's output and return it as ``(T, k)`` int64 ids and ``(T, k)`` scores.
 

@@ -15,7 +15,16 @@ from torch import nn
 
 from ..collectives import require_process_group
 from .fastmoe_api import AllGather, Slice, mark_module_parallel_comm, slice_sizes
-from .functions import check_gate_output, check_top_k, combine, count_by_gate, counts_list, gather, scatter
+from .functions import (
+    check_gate_output,
+    check_top_k,
+    combine,
+    count_by_gate,
+    counts_list,
+    gather,
+    gather_combine,
+    scatter,
+)
 from .gates import NaiveGate
 from .tree import tree_flatten, tree_map, tree_unflatten
 
@@ -113,9 +122,10 @@ class FMoE(nn.Module):
         pos, counts = count_by_gate(gate_idx, self.num_expert, self.world_size)  # (N,), (world*E,)
         x_sorted = tree_map(lambda t: scatter(t, pos, k), x)                 # (N, d) expert-contiguous
         y_sorted = self.expert_exchange(x_sorted, counts)                    # (N, d_out)
+        if keep is None:  # gather + combine in one pass (no (T*k, d) buffer): see MOEGatherCombine
+            return tree_map(lambda t: gather_combine(t, pos, gate_score), y_sorted)  # (T, d_out)
         y = tree_map(lambda t: gather(t, pos, gate_idx.shape[0] * k), y_sorted)  # (T_kept*k, d_out)
-        if keep is not None:
-            y = tree_map(lambda t: self._unmask(t, keep, T, k), y)          # (T*k, d_out)
+        y = tree_map(lambda t: self._unmask(t, keep, T, k), y)              # (T*k, d_out)
         return tree_map(lambda t: combine(t, gate_score), y)                 # (T, d_out)
 
     def check_input(self, leaves: list) -> tuple:

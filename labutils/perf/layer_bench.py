@@ -1,6 +1,9 @@
 """Side-by-side speed of MoE MLP layers on one shape, forward + backward. (Used in chapters 01 and 08.)
 
-Rows (all fp32, top-k routing, the same ``T`` tokens, interleaved A B C A B C ... so drifts hit all alike):
+Rows (all fp32, top-k routing, the same ``T`` tokens, interleaved round by round so drifts hit all alike; each
+round runs the rows in a fresh seeded order, because rows share one process's allocator: under glibc's defaults a
+row that frees big buffers raises the heap thresholds for the row after it, so a fixed order would give each row
+the same neighbour, and its page faults, in every round. ``faults MB`` is the memory faulted in per step):
 
 * ``dense, same FLOPs``: one MLP with hidden ``top_k * h``: the experts' FLOPs, no routing (the reference);
 * ``E MLPs, pre-sliced``: ``E`` separate MLPs on tokens already grouped by expert: routing-free experts;
@@ -18,7 +21,10 @@ the fraction of the ``T*top_k`` choices a row computed (DeepSpeed drops the ones
 """
 from __future__ import annotations
 
+import os
 import platform
+import random
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,7 @@ from .timing import clock, clock_name, quartiles
 from .timing import machine_info as _machine_info
 
 REFERENCE = "dense, same FLOPs"
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def mlp(d: int, h: int) -> nn.Module:
@@ -43,15 +50,40 @@ class _Row:
 
     def __init__(self, name: str, module: nn.Module, step, share=lambda: 1.0):
         self.name, self.module, self.step, self.share = name, module, step, share
-        self.times = []
+        self.times, self.faults = [], []
 
     def run(self) -> float:
+        """One step with fresh gradients (``zero_grad(set_to_none=True)``, as a training loop); its time in
+        seconds. The pages the step faulted in (first touch of memory new to the process) go to ``faults``."""
         for p in self.module.parameters():
             p.grad = None
         now = clock()
+        f0 = minor_faults()
         t0 = now()
         self.step()
-        return now() - t0
+        elapsed = now() - t0
+        self.faults.append(minor_faults() - f0)
+        return elapsed
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is missing, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def round_orders(num_rows: int, rounds: int, seed: int = 0) -> list:
+    """One seeded random order of the rows per round: no row always runs after the same neighbour."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(num_rows))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
 
 
 def _fwd_bwd(module, x, grad):
@@ -206,14 +238,17 @@ def build_rows(T, d, h, E, top_k=2, deepspeed_factors=(1.0,), naive=False, seed=
 
 
 # ---- statistics ----------------------------------------------------------------------------------------------
-def row_stats(times: list, reference: list, share: float, tokens: int) -> dict:
-    """Median and IQR of one row's times, and its paired ratio to the reference (median and IQR over rounds)."""
+def row_stats(times: list, reference: list, share: float, tokens: int, faults: list | None = None) -> dict:
+    """Median and IQR of one row's times, and its paired ratio to the reference (median and IQR over rounds);
+    ``faults``: pages faulted in per step (reported as the median MB per step)."""
     q1, med, q3 = quartiles(times)
     ratios = [r / t for r, t in zip(reference, times)]
     p1, pmed, p3 = quartiles(ratios)
+    fault_mb = statistics.median(faults) * PAGE_BYTES / 2 ** 20 if faults else None
     return dict(median_ms=1e3 * med, iqr_pct=100 * (q3 - q1) / med, best_ms=1e3 * min(times),
                 share=share, tokens_per_s=tokens / med, kept_tokens_per_s=share * tokens / med,
-                ratio_paired_median=pmed, ratio_paired_iqr=(p1, p3), times_ms=[1e3 * t for t in times])
+                ratio_paired_median=pmed, ratio_paired_iqr=(p1, p3), times_ms=[1e3 * t for t in times],
+                faults_mb_per_step=fault_mb)
 
 
 def paired_speedup(a: dict, b: dict) -> tuple:
@@ -225,16 +260,19 @@ def paired_speedup(a: dict, b: dict) -> tuple:
 
 def bench_shape(T: int, d: int, h: int, E: int, top_k: int = 2, repeats: int = 5, deepspeed_factors=(1.0,),
                 naive: bool = False, seed: int = 0, verbose: bool = True) -> dict:
-    """Time every row on one shape, interleaved; returns ``{"shape", "rows": [...]}`` with :func:`row_stats`."""
+    """Time every row on one shape, interleaved in a seeded random order per round (:func:`round_orders`);
+    returns ``{"shape", "rows": [...]}`` with :func:`row_stats`."""
     rows = build_rows(T, d, h, E, top_k, deepspeed_factors, naive, seed)
     for row in rows:  # warm-up (allocator, first-call costs)
         row.run()
-    for _ in range(repeats):
-        for row in rows:
-            row.times.append(row.run())
-    out = [dict(row=row.name, **row_stats(row.times, rows[0].times, row.share(), T)) for row in rows]
+        row.faults.clear()
+    orders = round_orders(len(rows), repeats, seed)
+    for order in orders:
+        for i in order:
+            rows[i].times.append(rows[i].run())
+    out = [dict(row=row.name, **row_stats(row.times, rows[0].times, row.share(), T, row.faults)) for row in rows]
     result = dict(shape=dict(T=T, d=d, h=h, E=E, top_k=top_k), repeats=repeats, threads=torch.get_num_threads(),
-                  clock=clock_name(), rows=out)
+                  clock=clock_name(), order="seeded random order per round", rows=out)
     if verbose:
         print(format_table(result))
     return result
@@ -249,13 +287,15 @@ def format_table(result: dict) -> str:
     head = (f"T={s['T']} d={s['d']} h={s['h']} E={s['E']} top_k={s['top_k']}, fwd+bwd fp32, "
             f"{result['repeats']} interleaved rounds, {result.get('threads', '?')} thread(s), "
             f"{result.get('clock', 'wall clock')} (timings are not reproducible)")
-    cols = (f"{'row':<26} {'median ms':>10} {'IQR':>6} {'share':>6} {'kept tok/s':>11} "
+    cols = (f"{'row':<26} {'median ms':>10} {'IQR':>6} {'share':>6} {'kept tok/s':>11} {'faults MB':>9} "
             f"{'vs dense (paired median, IQR)':>30}")
     lines = [head, cols]
     for r in result["rows"]:
         lo, hi = r["ratio_paired_iqr"]
+        faults = r.get("faults_mb_per_step")
+        faults = f"{faults:>9.0f}" if faults is not None else f"{'-':>9}"
         lines.append(f"{r['row']:<26} {r['median_ms']:>10.1f} {r['iqr_pct']:>5.0f}% {r['share']:>6.3f} "
-                     f"{r['kept_tokens_per_s']:>11.0f} {r['ratio_paired_median']:>12.3f} [{lo:.3f}, {hi:.3f}]")
+                     f"{r['kept_tokens_per_s']:>11.0f} {faults} {r['ratio_paired_median']:>12.3f} [{lo:.3f}, {hi:.3f}]")
     return "\n".join(lines)
 
 

@@ -60,7 +60,8 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
 PHASES = ("routing", "dispatch", "expert compute", "combine")
 # FMoE.forward's named steps (labutils/moe/layers.py) and the phase each belongs to
 _CORE_STEPS = {"route": "routing", "count_by_gate": "routing", "scatter": "dispatch",
-               "expert_exchange": "expert compute", "gather": "combine", "combine": "combine"}
+               "expert_exchange": "expert compute", "gather": "combine", "combine": "combine",
+               "gather_combine": "combine"}
 
 
 @contextlib.contextmanager
