@@ -5,8 +5,9 @@
     .venv/bin/python benchmarks/dispatch.py --device cuda   # the same on a GPU -> dispatch_cuda.json
     .venv/bin/python benchmarks/dispatch.py --threads 1     # one thread, timed in its CPU time -> dispatch_1thread.json
 
-One forward+backward per design on identical weights and routing (labutils/dispatch.py), interleaved, best of
-``--reps``. Each row: tokens/s, useful GFLOP/s, ratio to the dense limit and to the E separate MLPs, share of
+One forward+backward per design on identical weights and routing (labutils/perf/dispatch.py), interleaved over
+``--reps`` rounds; times are medians with their IQR and ratios paired medians (labutils.perf.sweep.measure_point).
+Each row: tokens/s, useful GFLOP/s, ratio to the dense limit and to the E separate MLPs, share of
 choices kept, rows computed (padding), peak memory. Also the core's profiled time per phase at several tokens
 per expert, and the machine's matmul GFLOP/s (the roofline). Chapter 08 reads the JSON.
 """

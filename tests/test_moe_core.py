@@ -383,3 +383,32 @@ def test_bench_rows_can_be_built_alone_with_the_same_weights():
     assert all(torch.equal(mine[n], theirs[n]) for n in mine)  # same seed per row, whichever rows are built
     with pytest.raises(ValueError, match="no row starts with"):
         build_rows(T=16, d=8, h=16, E=4, deepspeed_factors=(), only="nope")
+
+
+def test_a_ratio_inside_the_repeat_spread_is_a_tie():
+    """classify() says "tie" when a ratio is within the run's noise band of the target, "ahead"/"behind"
+    outside it; negative controls: with a zero band, 1.01 is ahead and 0.99 behind."""
+    from labutils.perf.layer_bench import classify, noise_band
+
+    band = noise_band({"paired_median": 0.98, "iqr": (0.95, 1.03)})
+    assert band == pytest.approx(0.04)
+    assert [classify(r, band) for r in (1.03, 0.97, 1.05, 0.95)] == ["tie", "tie", "ahead", "behind"]
+    assert classify(0.93, band, target=0.90) == "tie" and classify(0.95, band, target=0.90) == "ahead"
+    assert classify(1.01, 0.0) == "ahead" and classify(0.99, 0.0) == "behind"
+
+
+def test_pooled_speedup_pairs_rounds_within_each_run():
+    """Pooling two runs: ratios are formed inside each round, then one median over all rounds. Negative
+    control: pairing across runs would mix a slow run's rows with a fast run's and give another answer."""
+    from labutils.perf.layer_bench import pooled_speedup
+
+    def run(scale, ours, other):
+        return {"rows": [{"row": "ours (x)", "share": 1.0, "times_ms": [scale * t for t in ours]},
+                         {"row": "other", "share": 1.0, "times_ms": [scale * t for t in other]}]}
+
+    slow, fast = run(3.0, [10, 10, 10], [11, 11, 11]), run(1.0, [10, 10], [12, 12])
+    med, (q1, q3), n = pooled_speedup([slow, fast], "ours (", "other")
+    assert n == 5 and med == pytest.approx(1.1) and q1 == pytest.approx(1.1) and q3 == pytest.approx(1.2)
+    assert med != pytest.approx(statistics.median([33 / 10, 33 / 10, 12 / 30]))
+    with pytest.raises(ValueError, match="at least one run"):
+        pooled_speedup([], "ours (", "other")

@@ -258,6 +258,37 @@ def paired_speedup(a: dict, b: dict) -> tuple:
     return med, (q1, q3)
 
 
+def pooled_speedup(results: list, a: str, b: str) -> tuple:
+    """Paired speed-up of row ``a`` over row ``b`` (prefixes) with the rounds of several runs of ONE shape
+    pooled: ``(median, (q1, q3), rounds)``. Each round's ratio is still taken within its own round."""
+    ratios = []
+    for result in results:
+        ra, rb = find_row(result, a), find_row(result, b)
+        ratios += [(ra["share"] / ta) / (rb["share"] / tb) for ta, tb in zip(ra["times_ms"], rb["times_ms"])]
+    if not ratios:
+        raise ValueError("pooled_speedup needs at least one run with timed rounds")
+    q1, med, q3 = quartiles(ratios)
+    return med, (q1, q3), len(ratios)
+
+
+def noise_band(spread: dict) -> float:
+    """How far from 1.0 a paired ratio can land by chance in this run: the larger of the repeat row's
+    distance from 1 (``ours / ours again`` should be exactly 1) and half its IQR. ``spread``: a verdict
+    entry ``{"paired_median", "iqr"}`` of the same layer timed twice."""
+    lo, hi = spread["iqr"]
+    return max(abs(spread["paired_median"] - 1.0), (hi - lo) / 2)
+
+
+def classify(ratio: float, band: float, target: float = 1.0) -> str:
+    """``"ahead"``, ``"tie"`` or ``"behind"``: a paired ratio against ``target`` with the run's noise band.
+    A target met by less than the band is a tie, and so is one missed by less than it."""
+    if ratio > target + band:
+        return "ahead"
+    if ratio < target - band:
+        return "behind"
+    return "tie"
+
+
 def bench_shape(T: int, d: int, h: int, E: int, top_k: int = 2, repeats: int = 5, deepspeed_factors=(1.0,),
                 naive: bool = False, seed: int = 0, verbose: bool = True) -> dict:
     """Time every row on one shape, interleaved in a seeded random order per round (:func:`round_orders`);
