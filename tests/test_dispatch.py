@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from labutils.compare import compare_tensors
 from labutils.moe import count_by_gate
@@ -31,7 +32,7 @@ def run(fn, p):
     """Output and gradients (x, logits, expert weights) of one forward+backward, in the problem's layout."""
     out = fwd_bwd(fn, p)
     grads = {"x": p.x.grad.clone(), "logits": p.logits.grad.clone()}
-    if isinstance(fn, DeepSpeedMoE):
+    if isinstance(fn, nn.Module):  # DeepSpeedMoE and CoreMoE hold their own copies of the weights
         grads.update(fn.expert_grads())
     else:
         grads.update(w1=p.w1.grad.clone(), b1=p.b1.grad.clone(), w2=p.w2.grad.clone(), b2=p.b2.grad.clone())
@@ -216,3 +217,17 @@ def test_core_reports_the_kept_share_its_routing_gives():
         assert core(p).kept == 32 - 3 * 2
     finally:
         D.route = real_route
+
+
+def test_timed_core_owns_its_parameters_and_matches_the_fed_core():
+    """CoreMoE (the timed design) holds per-expert parameters copied from the problem, as a user's layer does:
+    same output and gradients as feeding the problem's tensors (core), its gradients land in its own
+    parameters, not in the problem's (negative control: after its step the problem's weights have no grad)."""
+    from labutils.perf.dispatch import CoreMoE, core
+
+    p = make_problem(tokens=40, d_model=8, d_hidden=12, num_expert=5, top_k=2, seed=4, limits=False)
+    timed = CoreMoE(p)
+    got = run(timed, p)
+    assert p.w1.grad is None and all(e.htoh4.weight.grad is not None for e in timed.layer.experts)
+    assert_same("CoreMoE vs core", got, run(core, p))
+    assert len(list(timed.parameters())) == 4 * 5  # per-expert parameters, fastmoe's layout (the gate has none)

@@ -177,9 +177,51 @@ def _core_layer(E: int, d: int, h: int, k: int):
     return _CORE_LAYERS[key]
 
 
+class CoreMoE(nn.Module):
+    """The timed ``core`` design: the lab's ``labutils.moe.FMoETransformerMLP`` holding its OWN per-expert
+    parameters (a copy of the problem's weights), as a user's model holds them.
+
+    Call it with the problem: ``core(p) -> DispatchOut``; :meth:`expert_grads` stacks its per-expert gradients
+    into the problem's layout for the correctness checks. (Feeding the problem's stacked tensors through
+    ``functional_call`` instead, as :func:`core` does, adds a parameter swap per expert and a concatenation of
+    the E gradients to every step: a cost of the harness, not of the layer, that grows with E.)
+    The kept count is read from the routing the layer used (its ``gate_hook``), not assumed.
+    """
+
+    def __init__(self, p: Problem):
+        super().__init__()
+        from ..moe.transformer import FMoETransformerMLP
+
+        self.layer = FMoETransformerMLP(num_expert=p.E, d_model=p.d, d_hidden=p.h, top_k=p.top_k,
+                                        gate=_LogitsGate).to(device=p.x.device, dtype=p.x.dtype)
+        with torch.no_grad():
+            for name, t in per_expert_tensors(p).items():
+                if name.startswith("experts."):
+                    self.layer.get_parameter(name).copy_(t)
+        self.seen: dict = {}
+        self.layer.gate_hook = lambda idx, score, _: self.seen.update(kept=int((idx >= 0).sum()))
+
+    def forward(self, p: Problem) -> DispatchOut:
+        self.layer.gate.logits = p.logits                                  # the shared routing
+        y = self.layer(p.x)                                                # (T, d)
+        return DispatchOut(y, self.seen["kept"], self.seen["kept"])
+
+    def expert_grads(self) -> dict:
+        """``{"w1": (E, h, d), "b1", "w2", "b2"}``: the experts' gradients in the problem's layout."""
+        experts = self.layer.experts
+
+        def stack(lin, what):
+            return torch.cat([getattr(getattr(e, lin), what).grad for e in experts])
+
+        return {"w1": stack("htoh4", "weight"), "b1": stack("htoh4", "bias"), "w2": stack("h4toh", "weight"),
+                "b2": stack("h4toh", "bias")}
+
+
 def core(p: Problem) -> DispatchOut:
-    """The lab's FastMoE core (``labutils.moe.FMoETransformerMLP``) unchanged, fed this problem's tensors.
-    Its kept count is read from the routing the layer used (its ``gate_hook``), not assumed."""
+    """The lab's FastMoE core (``labutils.moe.FMoETransformerMLP``) unchanged, fed this problem's tensors through
+    ``functional_call`` (gradients land in the problem's tensors: handy for checks). The timed design is
+    :class:`CoreMoE`, which holds its own parameters. The kept count is read from the routing the layer used
+    (its ``gate_hook``), not assumed."""
     layer = _core_layer(p.E, p.d, p.h, p.top_k)
     seen = {}
     layer.gate_hook = lambda idx, score, _: seen.update(kept=int((idx >= 0).sum()))
@@ -359,8 +401,8 @@ def separate(p: Problem) -> DispatchOut:
     return DispatchOut(ys, n, n)
 
 
-DESIGNS = {"loop": loop, "core": core, "padded": padded, "grouped_mm": grouped_mm, "einsum": einsum,
-           "ds_cf1": 1.0, "ds_cf2": 2.0}  # DeepSpeed entries are capacity factors: built per problem
+DESIGNS = {"loop": loop, "core": CoreMoE, "padded": padded, "grouped_mm": grouped_mm, "einsum": einsum,
+           "ds_cf1": 1.0, "ds_cf2": 2.0}  # classes and DeepSpeed's capacity factors: built per problem
 LIMITS = {"dense": dense, "separate": separate}
 
 
@@ -371,7 +413,8 @@ def build_designs(p: Problem, names=None) -> dict:
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"unknown designs {unknown}; choose from {list(table)}")
-    return {n: DeepSpeedMoE(p, table[n]) if isinstance(table[n], float) else table[n] for n in names}
+    return {n: DeepSpeedMoE(p, table[n]) if isinstance(table[n], float)
+            else table[n](p) if isinstance(table[n], type) else table[n] for n in names}
 
 
 def fwd_bwd(fn, p: Problem) -> DispatchOut:

@@ -122,14 +122,16 @@ def core_breakdown(p, reps: int = 3) -> dict:
 
     Returns ``{"forward": {phase: s}, "backward": {phase: s}, "total": {phase: s}, "profiled_s",
     "unprofiled_s"}``: phases averaged over ``reps`` profiled steps ("other": autograd bookkeeping, reshapes,
-    the functional_call that feeds the weights), ``unprofiled_s`` the best of ``reps`` plain steps and
+    hooks), ``unprofiled_s`` the best of ``reps`` plain steps and
     ``profiler_overhead`` = profiled / unprofiled - 1: the profiler adds a few microseconds per op, so shares are
     what to read, and a large overhead says the shares of short phases are inflated.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from ..nbtools import quiet
-    from .dispatch import core, fwd_bwd
+    from .dispatch import CoreMoE, fwd_bwd
+
+    core = CoreMoE(p)
 
     fwd_bwd(core, p)                                                       # warm-up
     unprofiled = min(bench({"core": lambda: fwd_bwd(core, p)}, reps=reps, warmup=0)["core"])
@@ -138,6 +140,7 @@ def core_breakdown(p, reps: int = 3) -> dict:
         for _ in range(reps):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 p.zero_grad()
+                core.zero_grad(set_to_none=True)
                 with record_function("forward"):
                     y = core(p).y
                 with record_function("backward"):
