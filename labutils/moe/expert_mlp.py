@@ -46,7 +46,7 @@ def fusable_activation(activation) -> bool:
 def _activation_grad(activation, pre: torch.Tensor, grad_post: torch.Tensor) -> torch.Tensor:
     """d loss / d pre-activation, for ``post = activation(pre)``."""
     if isinstance(activation, nn.GELU):
-        return torch.ops.aten.gelu_backward(grad_post, pre, approximate=activation.approximate)
+        return _GELU_BACKWARD(grad_post, pre, approximate=activation.approximate)
     with torch.enable_grad():
         leaf = pre.detach().requires_grad_()
         (grad_pre,) = torch.autograd.grad(activation(leaf), leaf, grad_post)
@@ -85,7 +85,6 @@ class ExpertMLPs(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         counts, act, E = ctx.counts, ctx.activation, len(ctx.counts)
         w1, w2 = ctx.weights                                                # E views each: (h, d), (d, h)
-        act_grad = _activation_grad_fn(act)
         grad_out = grad_out.contiguous()
         grad_x = x.new_empty(x.shape)                                       # (N, d)
         grads: list = [None] * (4 * E)
@@ -97,7 +96,7 @@ class ExpertMLPs(torch.autograd.Function):
             pre, post = hidden
             grads[2 * E + e] = torch.mm(g.t(), post).unsqueeze(0)          # (1, d, h)
             grads[3 * E + e] = g.sum(0, keepdim=True)                       # (1, d)
-            grad_pre = act_grad(pre, torch.mm(g, w2e))                      # (n_e, h)
+            grad_pre = _activation_grad(act, pre, torch.mm(g, w2e))         # (n_e, h)
             grads[e] = torch.mm(grad_pre.t(), xe).unsqueeze(0)              # (1, h, d)
             grads[E + e] = grad_pre.sum(0, keepdim=True)                    # (1, h)
             torch.mm(grad_pre, w1e, out=gx)                                 # (n_e, d)
@@ -109,14 +108,6 @@ def _plain_call(activation):
     if type(activation) is nn.GELU:
         return partial(F.gelu, approximate=activation.approximate)
     return activation
-
-
-def _activation_grad_fn(activation):
-    """``grad_pre = f(pre, grad_post)`` for the activation: GELU's ATen backward directly, else autograd."""
-    if type(activation) is nn.GELU:
-        approximate = activation.approximate
-        return lambda pre, grad_post: _GELU_BACKWARD(grad_post, pre, approximate=approximate)
-    return partial(_activation_grad, activation)
 
 
 def expert_mlps(x: torch.Tensor, counts: list, experts, activation) -> torch.Tensor:
