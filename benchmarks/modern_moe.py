@@ -4,7 +4,8 @@
 
 Two variants run side by side, one torch thread each; each variant runs its seeds one after another with
 ``labutils.train_modern.run_variant`` (the chapter's own runner), so ``LAB_PRESET=full`` in the chapter
-computes the same numbers.
+computes the same numbers. Per seed it records every evaluation (``final`` is the last one), the last model
+scored generation-style on prefixes (``final_prefix``) and each batch's own load balance beside the windowed one.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def main() -> None:
     args = ap.parse_args()
     record = train_modern.record_full(train_modern.PRESETS[args.preset], jobs=args.jobs)
     record["machine"] = machine_info()
-    print("\n".join(train_modern.ranking_lines(record)))
-    print(f"{record['wall_seconds'] / 60:.1f} minutes")
     print("wrote", save_result(record, ROOT / "benchmarks" / "results" / f"modern_moe_{args.preset}.json", ROOT))
+    print(f"{record['wall_seconds'] / 60:.1f} minutes")
+    print("\n".join(train_modern.ranking_lines(record)))
 
 
 if __name__ == "__main__":

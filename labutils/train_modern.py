@@ -31,12 +31,24 @@ def balance_stats(counts: torch.Tensor) -> tuple[float, float]:
     return float(c.max() / c.mean().clamp_min(1e-12)), float(torch.special.entr(p).sum() / math.log(len(c)))
 
 
+def per_batch_balance(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``counts`` ``(steps, E)`` -> per step ``(busiest/mean, quietest/mean)``, each ``(steps,)``.
+
+    ``busiest/mean - 1`` of one batch is DeepSeek's MaxVio_batch (Wang et al. 2024, "Auxiliary-Loss-Free Load
+    Balancing", eq. 8 uses the batch's load); summing counts over a window first hides what each batch saw."""
+    c = counts.double()
+    mean = c.mean(-1).clamp_min(1e-12)                                     # (steps,)
+    return c.max(-1).values / mean, c.min(-1).values / mean
+
+
 def _layer_stats(layers: list[ModernMoE], window: int) -> dict:
-    """Per-window load balance (averaged over layers), mean dropped share, per-step logit RMS (layer mean)."""
+    """Per-window load balance (averaged over layers), per-batch balance per step (layer mean), mean dropped
+    share, per-step logit RMS (layer mean)."""
     if not layers:
         return {}
     per_layer = [torch.stack([h["counts"] for h in m.history]) for m in layers]    # L x (steps, E)
     steps = per_layer[0].shape[0]
+    batch = [per_batch_balance(c) for c in per_layer]                             # L x ((steps,), (steps,))
     n = max(1, steps // window)
     mm = torch.zeros(n)
     ent = torch.zeros(n)
@@ -46,18 +58,43 @@ def _layer_stats(layers: list[ModernMoE], window: int) -> dict:
             mm[w] += a / len(per_layer)
             ent[w] += b / len(per_layer)
     return dict(max_over_mean=mm, entropy=ent,
+                batch_max_over_mean=torch.stack([b[0] for b in batch]).mean(0).float(),
+                batch_min_over_mean=torch.stack([b[1] for b in batch]).mean(0).float(),
                 dropped=sum(h["dropped"] for m in layers for h in m.history) / (steps * len(layers)),
                 logit_rms=torch.tensor([[h["logit_rms"] for h in m.history] for m in layers]).mean(0),
                 lse2=torch.tensor([[h["lse2"] for h in m.history] for m in layers]).mean(0))
 
 
-def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: str = "", progress: bool = False):
+def prefix_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> float:
+    """Generation-style held-out loss: position ``t`` is scored from a forward over ``inputs[:, :t+1]`` only.
+
+    ``inputs``/``targets`` ``(B, T)``. A model whose output at ``t`` depends on later tokens (expert choice, or a
+    capacity cut that ranks tokens over the whole batch) scores differently here than in one full forward; a
+    causal model scores the same up to float rounding."""
+    if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[1] == 0:
+        raise ValueError(f"prefix_loss needs inputs and targets of one shape (B, T), T >= 1: got "
+                         f"{tuple(inputs.shape)} and {tuple(targets.shape)}")
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for t in range(inputs.shape[1]):
+            logits = model(inputs[:, :t + 1])[:, -1:]                      # (B, 1, V)
+            total += float(loss_fn(logits, targets[:, t:t + 1]))
+    model.train(was_training)
+    return total / inputs.shape[1]
+
+
+def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: str = "", progress: bool = False,
+                prefix_eval: bool = False):
     """Train one variant over ``seeds``; returns a dict of per-seed lists (``val``: (evals,) tensors, ``final``:
-    mean of the last two evaluations, ``max_over_mean``/``entropy``: per-window curves, ``dropped``,
-    ``logit_rms``/``lse2``: per-step curves, ``seconds``) and ``val_steps``."""
+    the LAST evaluation, ``final_prefix``: the last model scored by :func:`prefix_loss` when ``prefix_eval``,
+    ``max_over_mean``/``entropy``: per-window curves, ``batch_max_over_mean``/``batch_min_over_mean``: per-step
+    curves of each batch's own load, ``dropped``, ``logit_rms``/``lse2``: per-step curves, ``seconds``) and
+    ``val_steps``."""
     val_x, val_y = fixed_windows(corpus.val, 64, cfg.block)
-    out: dict = {k: [] for k in ("val", "final", "max_over_mean", "entropy", "dropped", "logit_rms", "lse2",
-                                  "seconds")}
+    out: dict = {k: [] for k in ("val", "final", "final_prefix", "max_over_mean", "entropy", "batch_max_over_mean",
+                                  "batch_min_over_mean", "dropped", "logit_rms", "lse2", "seconds")}
     for seed in seeds:
         torch.manual_seed(seed)
         model = CharLM(corpus.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.block, ffn)
@@ -70,7 +107,9 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
         hook.remove()
         val = torch.tensor([v for _, v in r.val])
         out["val"].append(val)
-        out["final"].append(float(val[-2:].mean()))
+        out["final"].append(float(val[-1]))
+        if prefix_eval:
+            out["final_prefix"].append(prefix_loss(model, val_x, val_y, lm_cross_entropy))
         out["seconds"].append(r.seconds)
         out["val_steps"] = [s for s, _ in r.val]
         stats = _layer_stats([m for m in model.modules() if isinstance(m, ModernMoE)], max(1, cfg.steps // 10))
@@ -89,8 +128,13 @@ def summary_row(res: dict) -> dict:
     f = torch.tensor(res["final"])
     row = dict(val=float(f.mean()), val_std=float(f.std()) if len(f) > 1 else 0.0,
                seconds=sum(res["seconds"]) / len(res["seconds"]))
+    if res.get("final_prefix"):
+        fp = torch.tensor(res["final_prefix"])
+        row.update(val_prefix=float(fp.mean()), val_prefix_std=float(fp.std()) if len(fp) > 1 else 0.0)
     if res["max_over_mean"]:
         row.update(max_over_mean=float(torch.stack([c[-1] for c in res["max_over_mean"]]).mean()),
+                   batch_max_over_mean=_last_tenth(res["batch_max_over_mean"]),
+                   batch_min_over_mean=_last_tenth(res["batch_min_over_mean"]),
                    entropy=float(torch.stack([c[-1] for c in res["entropy"]]).mean()),
                    dropped=sum(res["dropped"]) / len(res["dropped"]),
                    logit_rms=_last_tenth(res["logit_rms"]), lse2=_last_tenth(res["lse2"]))
@@ -136,10 +180,23 @@ def _record_one(preset: dict, name: str) -> dict:
 
     torch.set_num_threads(1)
     cfg = SimpleNamespace(**preset)
-    res = run_variant(variants(cfg.d_model, cfg.bias_rate)[name], stdlib_corpus(), cfg, seeds=cfg.seeds)
+    res = run_variant(variants(cfg.d_model, cfg.bias_rate)[name], stdlib_corpus(), cfg, seeds=cfg.seeds,
+                      prefix_eval=True)
     row = summary_row(res)
-    return {"name": name, "row": row, "final": res["final"], "val_steps": res["val_steps"],
-            "val_mean": torch.stack(res["val"]).mean(0).tolist(), "seconds": res["seconds"]}
+    out = {"name": name, "row": row, "final": res["final"], "final_prefix": res["final_prefix"],
+           "val_steps": res["val_steps"], "val": [v.tolist() for v in res["val"]],
+           "val_mean": torch.stack(res["val"]).mean(0).tolist(), "seconds": res["seconds"]}
+    if res["max_over_mean"]:
+        tenth = max(1, cfg.steps // 10)
+        out["balance"] = {      # per seed: windowed (last window) and per batch (mean over the last tenth of steps)
+            "window_steps": tenth,
+            "window_max_over_mean": [float(c[-1]) for c in res["max_over_mean"]],
+            "batch_max_over_mean": [float(c[-tenth:].mean()) for c in res["batch_max_over_mean"]],
+            "batch_min_over_mean": [float(c[-tenth:].mean()) for c in res["batch_min_over_mean"]],
+            # seed 0's per-step curve over the last tenth (every step: both phases of any oscillation)
+            "batch_max_over_mean_seed0_tail": [round(float(x), 4) for x in res["batch_max_over_mean"][0][-tenth:]],
+        }
+    return out
 
 
 def record_full(preset: dict, jobs: int = 2) -> dict:
