@@ -17,9 +17,12 @@ interpreter (labutils/_worker.py) that imports torch once and forks one process 
 op runs. Ranks meet through a FileStore in a temporary directory: no port is chosen by us, so no race, and
 gloo is bound to the loopback interface. Each rank's output appears in the cell prefixed with its rank.
 A rank that raises or dies stops the whole launch within about a second with a `WorkerError`; a rank
-stuck at the timeout is reported with its Python stack. Nothing outlives the call: the ranks die with the
-zygote, which dies with the caller; a launch directory left by a caller that was killed (SIGKILL leaves no
-chance to clean up) is swept by the next launch, which checks whether its owner process is still alive.
+stuck at the timeout is reported with its Python stack; ranks waiting in different collectives (rank 0
+all_reduce, rank 1 all_gather) are reported after ``MISMATCH_S`` seconds, each rank's call named. Nothing
+outlives the call: the ranks die with the zygote, and the zygote, a subreaper, kills every process below it
+(a rank's child in a new session too) when the ranks are done, when the launch stops, or when the caller
+dies, and then removes the launch directory of a dead caller; a directory left anyway (the zygote killed
+too) is swept by the next launch, which checks whether its owner process is still alive.
 
 The same function runs unchanged under torchrun through ``python -m labutils.torchrun`` (see that module).
 """
@@ -27,10 +30,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import io
 import json
 import linecache
 import math
+import mmap
 import numbers
 import os
 import pickle
@@ -44,6 +49,7 @@ import tempfile
 import threading
 import time
 
+from ._worker import SLOT_BYTES, descendants, read_calls
 from .optional import HINTS
 
 __all__ = ["launch", "WorkerError", "worker_info", "default_backend"]
@@ -52,6 +58,8 @@ GRACE_S = 1.0  # after the first failure, how long to wait for the others' repor
 NOTEBOOK_TIMEOUT_S, SCRIPT_TIMEOUT_S = 120.0, 300.0  # the default timeout inside a Jupyter kernel / elsewhere
 STDERR_TAIL = 20  # last stderr lines kept per rank, shown when a rank is killed by a signal
 TMP_PREFIX = "labutils-launch-"
+MISMATCH_S = 2.0  # every live rank this long in a different collective of the default group: a mismatch
+STOP_GRACE_S = 5.0  # how long stop() lets the zygote kill what is below it before killing it itself
 COMM_ERRORS = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket Timeout",
                "Gloo connectFullMesh failed", "NCCL communicator was aborted")
 
@@ -107,6 +115,11 @@ def worker_info() -> dict:
     import torch
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("worker_info() describes the rank it runs on, and no torch.distributed process group "
+                           "is initialised here: call it inside the function you run with "
+                           "labutils.launch(fn, world_size) (or under python -m labutils.torchrun), not in the "
+                           "notebook or script that starts the launch")
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": backend, "device": device}
@@ -174,6 +187,30 @@ def _check_arguments(world_size, timeout, threads, env, args, kwargs) -> float:
                             "would get a copy or nothing, never the same file. Pass its path and open it in the "
                             "worker function")
     return float(timeout)
+
+
+def _check_call(fn, world_size, args: tuple, kwargs: dict, own: dict) -> None:
+    """``fn(*args, **kwargs)`` must bind to ``fn``'s signature before any process starts. A parameter of ``fn``
+    named like one of launch's own keywords (``own``: those given) that nothing fills gets pointed to
+    ``fn_kwargs``: ``launch(fn, 2, threads=1)`` sets launch's threads, not fn's."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: the ranks will tell
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        taken = {k: v for k, v in own.items() if k in sig.parameters and k not in kwargs}
+        if taken:
+            given = ", ".join(f"{k}={v!r}" for k, v in taken.items())
+            raise TypeError(
+                f"launch(fn, {world_size}, {given}): {given} went to launch itself (its own "
+                f"keyword{'s' if len(taken) > 1 else ''}: {', '.join(taken)}), so {name}{sig} gets no "
+                f"{', '.join(repr(k) for k in taken)} ({exc}). To pass {'them' if len(taken) > 1 else 'it'} to "
+                f"fn, use fn_kwargs: launch(fn, {world_size}, fn_kwargs={taken!r})") from None
+        raise TypeError(f"launch cannot call {name}{sig} with the arguments given: {exc} "
+                        f"({len(args)} positional, keywords {sorted(kwargs)}); nothing was started") from None
 
 
 def _start_time(pid: int) -> str | None:
@@ -268,6 +305,8 @@ class _Run:
         self.events: queue.Queue = queue.Queue()
         self.pids, self.exits, self.errors = {}, {}, {}
         self.proc: subprocess.Popen | None = None
+        self.calls: mmap.mmap | None = None
+        self._watched: tuple | None = None  # (the ranks' calls, since when) while every live rank is in one
         self.threads = threads or max(1, len(os.sched_getaffinity(0)) // world_size)
         self.backend = backend
         self.env = env or {}
@@ -276,6 +315,9 @@ class _Run:
     def start(self, payload: bytes) -> None:
         with open(os.path.join(self.tmpdir, "payload.pkl"), "wb") as f:
             f.write(payload)
+        with open(os.path.join(self.tmpdir, "calls.bin"), "w+b") as f:  # the collective watch's slots
+            f.truncate(SLOT_BYTES * self.world_size)
+            self.calls = mmap.mmap(f.fileno(), SLOT_BYTES * self.world_size, access=mmap.ACCESS_READ)
         pipes = [os.pipe() for _ in range(2 * self.world_size)]
         out_pipes, err_pipes = pipes[: self.world_size], pipes[self.world_size:]
         cfg = {"world_size": self.world_size, "backend": self.backend, "tmpdir": self.tmpdir,
@@ -362,6 +404,54 @@ class _Run:
                 raise self.failure_error()
             if time.monotonic() > deadline:
                 raise self.timeout_error()
+            if first_failure is None:
+                mismatch = self.mismatch()
+                if mismatch is not None:
+                    raise mismatch
+
+    def mismatch(self) -> WorkerError | None:
+        """A WorkerError when every live rank has sat ``MISMATCH_S`` seconds in the same call of a collective
+        of the default group and the collectives differ (they would wait for each other forever)."""
+        live = [r for r in range(self.world_size) if r not in self.exits]
+        if self.calls is None or len(live) < 2:
+            return None
+        calls = read_calls(self.calls, self.world_size)
+        now = {r: calls[r] for r in live}
+        if not all(inside and world for _, inside, _, world, _ in now.values()) \
+                or len({text.split("(", 1)[0] for *_, text in now.values()}) < 2:
+            self._watched = None
+            return None
+        key = tuple((r, c[0], c[4]) for r, c in now.items())
+        if self._watched is None or self._watched[0] != key:
+            self._watched = (key, time.monotonic())
+            return None
+        waited = time.monotonic() - self._watched[1]
+        if waited < MISMATCH_S:
+            return None
+        stacks = self.stacks(live)
+        calls_text = "; ".join(f"rank {r} is in {text} (its collective call #{seq})"
+                               for r, (seq, _, _, _, text) in now.items())
+        hint = "" if self.debug else (" launch(..., debug=True) makes torch compare every call's op and shapes "
+                                      "as it happens.")
+        msg = (f"the ranks called different collectives and would wait for each other until the timeout "
+               f"({self.timeout:g} s): {calls_text}. Every rank must call the same collectives in the same "
+               f"order (stopped after {waited:.1f} s with no rank moving on; MISMATCH_S = {MISMATCH_S:g}).{hint}"
+               "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{s}" for r, s in stacks.items()))
+        return WorkerError(msg, rank=live[0], stacks=stacks)
+
+    def stacks(self, ranks: list) -> dict:
+        """The Python stacks of ``ranks`` (faulthandler, on SIGUSR1)."""
+        for rank in ranks:
+            if rank in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pids[rank], signal.SIGUSR1)
+        time.sleep(0.5)
+        self.drain(0.05)
+        stacks = {}
+        for rank in ranks:
+            path = os.path.join(self.tmpdir, f"stack_{rank}.txt")
+            stacks[rank] = _read(path).strip() if os.path.exists(path) else "(no stack: rank not started)"
+        return stacks
 
     # -- results and errors ----------------------------------------------------------------------
     def results(self) -> list:
@@ -432,16 +522,7 @@ class _Run:
 
     def timeout_error(self) -> WorkerError:
         stuck = [r for r in range(self.world_size) if r not in self.exits]
-        for rank in stuck:
-            if rank in self.pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pids[rank], signal.SIGUSR1)
-        time.sleep(0.5)
-        self.drain(0.05)
-        stacks = {}
-        for rank in stuck:
-            path = os.path.join(self.tmpdir, f"stack_{rank}.txt")
-            stacks[rank] = _read(path).strip() if os.path.exists(path) else "(no stack: rank not started)"
+        stacks = self.stacks(stuck)
         parts = [f"--- rank {r} stack ---\n{s}" for r, s in stacks.items()]
         hint = "" if self.debug else ("\nIf the ranks called different collectives (say rank 0 all_reduce, "
                                       "rank 1 broadcast), launch(..., debug=True) reports that at once.")
@@ -451,13 +532,23 @@ class _Run:
 
     # -- stop ------------------------------------------------------------------------------------
     def stop(self) -> None:
+        """Stop every process of the launch: the zygote kills what is below it (ranks, and whatever they started,
+        in any session) on SIGTERM; what is left after ``STOP_GRACE_S`` is killed from here."""
         if self.proc is not None:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    self.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(STOP_GRACE_S)
+            left = descendants(self.proc.pid) if self.proc.poll() is None else []
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the zygote and every rank share its session
-            for pid in self.pids.values():
+            for pid in [*self.pids.values(), *left]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             self.proc.wait()
+        if self.calls is not None:
+            self.calls.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
@@ -490,6 +581,10 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
         if both:
             raise TypeError(f"keyword arguments {both} given both in fn_kwargs and directly")
         kwargs = {**kwargs, **fn_kwargs}
+    own = {name: value for name, value, default in (("backend", backend, "auto"), ("timeout", timeout, None),
+                                                    ("threads", threads, None), ("env", env, None),
+                                                    ("debug", debug, False)) if value != default}
+    _check_call(fn, world_size, args, kwargs, own)
     timeout = _check_arguments(world_size, timeout, threads, env, args, kwargs)
     if not isinstance(debug, bool):
         raise TypeError(f"debug must be True or False, got {debug!r}")

@@ -8,7 +8,8 @@ workers rank 0's tokens first, so a result is reproducible.
 * :func:`limit_by_capacity` is fastmoe's (``fmoe/gates/utils.py``): each LOCAL expert takes at most
   ``capacity`` tokens from ALL workers together; returns ``(new_lec, new_gec, topk_idx)``.
 * :func:`drop_over_capacity` is the lab's one-worker form: ``gate_idx`` with over-capacity choices set to -1.
-* :func:`capacity_factors` / :func:`warn_small_capacity`: the gates' checks of their capacity factors.
+* :func:`capacity_factors` / :func:`warn_small_capacity`: the gates' checks of their capacity factors;
+  :class:`CapacityFactors` applies the first to every assignment of a gate's ``capacity``.
 """
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def capacity_factors(capacity, name: str) -> tuple:
         raise ValueError(f"{name}: capacity factors must be finite and > 0, got {capacity!r} (fastmoe's default "
                          f"is (1.2, 2.4); 0 or less would drop every token)")
     return float(pair[0]), float(pair[1])
+
+
+class CapacityFactors:
+    """The ``capacity`` attribute of a capacity gate: every assignment, in the constructor or later
+    (``gate.capacity = (0, 0)``), goes through :func:`capacity_factors`, so a factor that would drop every token
+    is refused when it is set, not found later as an all-dropped batch."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, gate, owner=None):
+        return self if gate is None else gate.__dict__[self.slot]
+
+    def __set__(self, gate, value):
+        gate.__dict__[self.slot] = capacity_factors(value, f"{type(gate).__name__}.capacity")
 
 
 def warn_small_capacity(name: str, capacity: int, factor: float, num_tokens: int) -> None:

@@ -9,7 +9,7 @@ import math
 import torch
 
 from .capacity import (
-    capacity_factors,
+    CapacityFactors,
     drop_over_capacity,
     exchange_counts,
     limit_by_capacity,
@@ -37,6 +37,8 @@ class GShardGate(NaiveGate):
       when ``2 * g2 < u``, ``u ~ U(0, 1)``. Pass ``random_routing=False`` for a deterministic gate.
     """
 
+    capacity = CapacityFactors()  # (train, eval) factors, checked on every assignment
+
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 2,
                  capacity=(1.2, 2.4), random_routing: bool = True, gate_bias: bool = True, topk=None):
         top_k = top_k if topk is None else topk  # fastmoe spells it `topk`
@@ -44,7 +46,7 @@ class GShardGate(NaiveGate):
         if top_k != 2:
             raise ValueError(f"{type(self).__name__} is a top-2 gate; got top_k={top_k} (pass top_k=2 to FMoE)")
         super().__init__(d_model, num_expert, world_size, top_k=2, gate_bias=gate_bias)
-        self.capacity = capacity_factors(capacity, type(self).__name__)
+        self.capacity = capacity
         self.random_routing = random_routing
 
     def capacity_per_expert(self, num_tokens: int) -> int:
@@ -88,6 +90,8 @@ class SwitchGate(NaiveGate):
     ``group``: the process group of the ``world_size`` workers (default: the default group).
     """
 
+    capacity = CapacityFactors()  # (train, eval) factors, checked on every assignment
+
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 1,
                  switch_eps: float = 0.1, capacity=(1.2, 2.4), gate_bias: bool = True, topk=None, group=None):
         top_k = top_k if topk is None else topk
@@ -96,7 +100,7 @@ class SwitchGate(NaiveGate):
             raise ValueError(f"SwitchGate is a top-1 gate; got top_k={top_k} (pass top_k=1 to FMoE)")
         super().__init__(d_model, num_expert, world_size, top_k=1, gate_bias=gate_bias)
         self.switch_eps = switch_eps
-        self.capacity = capacity_factors(capacity, "SwitchGate")
+        self.capacity = capacity
         self.group = group
 
     def capacity_per_expert(self, num_tokens: int) -> int:

@@ -176,6 +176,13 @@ class FMoE(nn.Module):
         mask = torch.as_tensor(self.mask).reshape(-1)
         if mask.numel() != num_tokens:
             raise ValueError(f"mask has {mask.numel()} entries but the input has {num_tokens} rows (tokens)")
+        keys = list(self.mask_dict or {})
+        known = {k.item() if torch.is_tensor(k) else k for k in keys}
+        missing = sorted({v.item() for v in mask.unique()} - {0} - known)
+        if missing:  # fastmoe leaves such rows at zero, silently
+            raise ValueError(f"mask holds value(s) {missing} that mask_dict has no entry for (its keys: {keys}): "
+                             "each nonzero mask value must be a key of mask_dict, whose value replaces the "
+                             "experts' output for those rows; 0 marks the rows that run the experts")
         return mask == 0
 
     def _unmask(self, y: torch.Tensor, keep: torch.Tensor, T: int, k: int) -> torch.Tensor:
