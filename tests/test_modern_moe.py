@@ -245,19 +245,38 @@ def test_runner_records_curves_and_load():
                       corpus, cfg, seeds=(0, 1))
     row = summary_row(res)
     assert res["val_steps"] == [3, 6] and len(res["final"]) == 2 and math.isfinite(row["val"])
+    assert res["final"] == [float(v[-1]) for v in res["val"]] and res["final_prefix"] == []   # the last evaluation
+    assert len(res["batch_max_over_mean"][0]) == cfg.steps and row["batch_max_over_mean"] >= 1.0
+    assert 0 <= row["batch_min_over_mean"] <= 1.0
     assert row["max_over_mean"] >= 1.0 and 0 < row["entropy"] <= 1.0 and 0 <= row["dropped"] < 1
 
 
-def test_chapter_09_checkers_reject_the_library():
-    """The exercises' checkers fail when the 'solution' just calls the library function."""
-    from labutils.exercises import check_exercise
-    case = (torch.zeros(4), torch.tensor([10, 2, 2, 2]), 0.1)
-    with pytest.raises(AssertionError):
-        check_exercise("bias update", bias_update, bias_update, case, forbidden=[bias_update, update_expert_bias])
-    case = (torch.softmax(torch.randn(12, 4), -1), 3)
-    with pytest.raises(AssertionError):
-        check_exercise("expert choice", expert_choice_route, expert_choice_route, case,
-                       forbidden=[expert_choice_route])
+def test_prefix_loss_equals_the_full_forward_for_a_causal_model_and_not_for_expert_choice():
+    from labutils.models import CharLM
+    from labutils.train import evaluate_loss, lm_cross_entropy
+    from labutils.train_modern import prefix_loss
+
+    ids = torch.randint(0, 20, (6, 12), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    for ffn, causal in ((lambda: ModernMoE(16, 16, 4, 2, capacity_factor=None), True),
+                        (lambda: ModernMoE(16, 16, 4, 2, routing="expert", capacity_factor=1.0), False),
+                        (lambda: ModernMoE(16, 16, 4, 2, capacity_factor=0.5), False)):
+        torch.manual_seed(0)
+        model = CharLM(20, 16, 2, 1, 11, ffn)
+        full, pre = evaluate_loss(model, x, y, lm_cross_entropy), prefix_loss(model, x, y, lm_cross_entropy)
+        assert (abs(full - pre) < 1e-5) == causal, (full, pre)
+    with pytest.raises(ValueError, match="prefix_loss"):
+        prefix_loss(model, x, y[:, :3], lm_cross_entropy)
+
+
+def test_per_batch_balance_sees_what_a_window_sum_hides():
+    from labutils.train_modern import balance_stats, per_batch_balance
+
+    counts = torch.tensor([[30, 10], [10, 30]] * 5)                  # (10 steps, 2 experts): alternating
+    busiest, quietest = per_batch_balance(counts)
+    assert torch.allclose(busiest, torch.full((10,), 1.5, dtype=torch.float64))
+    assert torch.allclose(quietest, torch.full((10,), 0.5, dtype=torch.float64))
+    assert balance_stats(counts.sum(0))[0] == 1.0                     # summed over the window: looks balanced
 
 
 def test_chapter_09_variants_and_the_ranking_of_a_record():

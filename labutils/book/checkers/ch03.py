@@ -1,0 +1,44 @@
+"""Chapter 03's exercise checker: ``moe_layer_params(num_expert, d_model, d_hidden)``, the parameter count of an
+``FMoETransformerMLP`` with a ``NaiveGate``, from the formula alone. Serves notebooks/03_transformer_fastmoe.ipynb;
+red-teamed by tests/test_exercise_cheats_ch03.py.
+
+The reference builds the real layer on the meta device and counts its tensors (outside the guard), so it does not
+share a formula with the answer; counts are integers and are compared exactly (a count that forgets the router's
+32 biases is wrong, although it is within 1e-7 of the answer). While the student's function runs, calls into the
+book's package, DeepSpeed or fastmoe are refused, and so is building any ``nn.Module`` or reading a module's
+parameters: the count must come from the formula."""
+from __future__ import annotations
+
+import torch
+
+from ...exercises import check_exercise
+
+VISIBLE = ((32, 1024, 4096), (8, 64, 128), (3, 10, 7))     # the book's layer, the tiny preset's, an odd one
+
+# building any module or reading a module's parameters is not the formula
+FORBIDDEN = (torch.nn.Module.__init__, torch.nn.Module.parameters, torch.nn.Module.named_parameters,
+             torch.nn.Module.state_dict)
+
+
+def _counted(num_expert: int, d_model: int, d_hidden: int) -> torch.Tensor:
+    """The real layer's parameter count: built on the meta device, every tensor's numel summed. () int64."""
+    from ...moe import FMoETransformerMLP, NaiveGate
+    with torch.device("meta"):
+        layer = FMoETransformerMLP(num_expert=num_expert, d_model=d_model, d_hidden=d_hidden, gate=NaiveGate)
+    return torch.tensor(sum(p.numel() for p in layer.parameters()), dtype=torch.int64)
+
+
+def _hidden(gen: torch.Generator, i: int) -> tuple:
+    """Sizes up to the book's scale and beyond (counts past 2**31 and past float32's exact integers); 2 experts at
+    least (the layer routes top-2)."""
+    hi = (9, 65, 257, 4097, 16385)[i % 5]
+    num_expert = int(torch.randint(2, max(3, hi // 4), (1,), generator=gen))     # top-2 needs 2 experts
+    d_model, d_hidden = (int(torch.randint(1, hi, (1,), generator=gen)) for _ in range(2))
+    return (num_expert, d_model, d_hidden)
+
+
+def check_moe_layer_params(fn, seed: int | None = None) -> None:
+    """``fn(num_expert, d_model, d_hidden)`` -> the layer's parameter count (an int or an integer tensor),
+    compared exactly on the 3 visible cases and 10 hidden ones."""
+    check_exercise("moe_layer_params", fn, _counted, *VISIBLE, hidden=_hidden, n_hidden=10, seed=seed,
+                   forbidden=FORBIDDEN)
