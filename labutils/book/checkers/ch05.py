@@ -1,0 +1,116 @@
+"""Chapter 05's exercise checkers: the balance entropy of a routed-token count table, and the step at which a
+validation curve first reaches a loss (linear between evaluations, None when it never does). Serves
+notebooks/05_moe_vs_dense.ipynb; red-teamed by tests/test_exercise_cheats_ch05.py.
+
+The references are written here as plain Python loops over lists (not ``lm_study.steps_to_reach``, not
+``train_modern.balance_stats``), and every case, visible or hidden, is built inside this module: nothing is read
+from the notebook's globals (its ``record`` of the live run)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ...exercises import check_exercise, trusted
+
+# --- exercise 1: balance_entropy(load) ------------------------------------------------------------------------
+
+
+def _entropy_reference(load: torch.Tensor) -> float:
+    """Entropy of the share of all routed tokens per expert, over log(E): a loop over Python numbers."""
+    rows = load.tolist()
+    experts = len(rows[0])
+    totals = [sum(row[e] for row in rows) for e in range(experts)]
+    grand = sum(totals)
+    h = 0.0
+    for t in totals:
+        if t:
+            p = t / grand
+            h -= p * math.log(p)
+    return h / math.log(experts)
+
+
+ENTROPY_VISIBLE = (
+    (torch.tensor([[5, 0, 0, 0]]),),                                  # one expert takes everything: 0
+    (torch.tensor([[3, 3], [1, 1]]),),                                # balanced: 1
+    (torch.tensor([[4, 0, 1], [0, 2, 1]]),),                          # rows differ: the TOTAL share counts
+)
+
+
+def _entropy_hidden(gen: torch.Generator, i: int) -> tuple:
+    windows = int(torch.randint(1, 12, (1,), generator=gen))
+    experts = int(torch.randint(2, 17, (1,), generator=gen))
+    load = torch.randint(0, 50, (windows, experts), generator=gen)   # (windows, experts)
+    if i % 3 == 0:
+        load[:, torch.randperm(experts, generator=gen)[: experts // 2]] = 0  # dead experts: 0 log 0 = 0
+    if i % 4 == 1:
+        load[1:] = 0                                                 # all tokens in the first window
+    load[0, int(torch.randint(experts, (1,), generator=gen))] += 1     # never an all-zero table
+    return (load,)
+
+
+def check_balance_entropy(fn, seed: int | None = None) -> None:
+    """``fn(load)`` for a ``(windows, experts)`` int count tensor returns the entropy of the total share per expert
+    divided by ``log(experts)``: 3 visible cases and 10 hidden ones (2 to 16 experts, dead experts, empty
+    windows). Calls into labutils, DeepSpeed or fastmoe are refused."""
+    check_exercise("balance_entropy", fn, _entropy_reference, *ENTROPY_VISIBLE, hidden=_entropy_hidden,
+                   n_hidden=10, seed=seed, rtol=1e-5, atol=1e-6)
+
+
+# --- exercise 2: my_steps_to_reach(steps, losses, target) -----------------------------------------------------
+
+
+def _reach_reference(steps: list, losses: list, target: float) -> tuple:
+    """Walk the evaluations; at the first one at or below ``target`` solve its segment for the crossing.
+    Returned as ``(reached, step)``: ``(1, step)``, or ``(0, 0.0)`` for "never" (None)."""
+    for i in range(len(steps)):
+        if losses[i] <= target:
+            if i == 0:
+                return 1, float(steps[0])
+            frac = (losses[i - 1] - target) / (losses[i - 1] - losses[i])  # 0 at the previous point, 1 at this one
+            return 1, steps[i - 1] * (1 - frac) + steps[i] * frac
+    return 0, 0.0
+
+
+@trusted
+def _as_pair(fn, steps, losses, target) -> tuple:
+    """Call the student's function (on copies: it may not edit the case) and map its answer to
+    ``(reached, step)``: None is ``(0, 0.0)``; a number ``x`` is ``(1, x)``."""
+    got = fn(list(steps), list(losses), target)
+    return (0, 0.0) if got is None else (1, got)
+
+
+REACH_VISIBLE = (
+    ([100, 200, 300], [3.0, 2.0, 1.0], 1.5),                           # halfway between evaluations: 250
+    ([10, 20], [1.0, 0.5], 2.0),                                      # already there at the first evaluation
+    ([1, 2, 3], [3.0, 2.5, 2.6], 1.0),                                # never: None
+    ([125, 250, 375], [2.1, 1.9, 1.95], 1.92),                        # not monotone; the FIRST crossing
+)
+
+
+def _reach_hidden(gen: torch.Generator, i: int) -> tuple:
+    n = int(torch.randint(2, 12, (1,), generator=gen))
+    gaps = torch.randint(1, 300, (n,), generator=gen)
+    steps = gaps.cumsum(0).tolist()                                   # increasing, uneven spacing
+    losses = (4.0 - torch.rand(n, generator=gen, dtype=torch.float64).cumsum(0) * 0.5
+              + torch.randn(n, generator=gen, dtype=torch.float64) * 0.2).tolist()
+    kind = i % 4
+    if kind == 0:
+        target = min(losses) - 0.1                                    # never reached
+    elif kind == 1:
+        target = losses[int(torch.randint(n, (1,), generator=gen))]   # exactly an evaluated loss: <= counts
+    else:
+        lo, hi = min(losses), max(losses)
+        target = lo + float(torch.rand(1, generator=gen, dtype=torch.float64)) * (hi - lo)
+    return (steps, losses, target)
+
+
+def check_my_steps_to_reach(fn, seed: int | None = None) -> None:
+    """``fn(steps, losses, target)`` returns the first step at which the curve reaches ``target`` (at or below),
+    linear between evaluations, the first evaluation itself when it is already there, None when never: 4 visible
+    cases and 12 hidden ones (uneven spacing, curves that rise again, targets equal to an evaluated loss or below
+    every one). Calls into labutils (``lm_study.steps_to_reach``, ``loss_at``, ...), DeepSpeed or fastmoe are
+    refused."""
+    check_exercise("my_steps_to_reach", functools.partial(_as_pair, fn), _reach_reference, *REACH_VISIBLE,
+                   hidden=_reach_hidden, n_hidden=12, seed=seed, rtol=1e-9, atol=1e-9)
