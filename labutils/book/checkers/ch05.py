@@ -86,6 +86,7 @@ REACH_VISIBLE = (
     ([10, 20], [1.0, 0.5], 2.0),                                      # already there at the first evaluation
     ([1, 2, 3], [3.0, 2.5, 2.6], 1.0),                                # never: None
     ([125, 250, 375], [2.1, 1.9, 1.95], 1.92),                        # not monotone; the FIRST crossing
+    ([100, 200, 300], [3.0, 2.0, 1.0], 2.0),                          # exactly an evaluated loss: 200
 )
 
 
@@ -98,8 +99,9 @@ def _reach_hidden(gen: torch.Generator, i: int) -> tuple:
     kind = i % 4
     if kind == 0:
         target = min(losses) - 0.1                                    # never reached
-    elif kind == 1:
-        target = losses[int(torch.randint(n, (1,), generator=gen))]   # exactly an evaluated loss: <= counts
+    elif kind == 1:  # exactly the loss of an evaluation that is the first to get that low: "at or below" counts
+        lows = [j for j in range(n) if all(losses[j] < v for v in losses[:j])]
+        target = losses[lows[int(torch.randint(len(lows), (1,), generator=gen))]]
     else:
         lo, hi = min(losses), max(losses)
         target = lo + float(torch.rand(1, generator=gen, dtype=torch.float64)) * (hi - lo)
@@ -108,7 +110,7 @@ def _reach_hidden(gen: torch.Generator, i: int) -> tuple:
 
 def check_my_steps_to_reach(fn, seed: int | None = None) -> None:
     """``fn(steps, losses, target)`` returns the first step at which the curve reaches ``target`` (at or below),
-    linear between evaluations, the first evaluation itself when it is already there, None when never: 4 visible
+    linear between evaluations, the first evaluation itself when it is already there, None when never: 5 visible
     cases and 12 hidden ones (uneven spacing, curves that rise again, targets equal to an evaluated loss or below
     every one). Calls into labutils (``lm_study.steps_to_reach``, ``loss_at``, ...), DeepSpeed or fastmoe are
     refused."""
