@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from labutils import launch
+from labutils import launch, toys
 from labutils.data_parallel import (
     GroupedDataParallel,
     allreduce_grouped_grads,
@@ -21,10 +21,15 @@ from labutils.data_parallel import (
     split_dense_expert,
 )
 from labutils.toys import (
+    COST_MODES,
     FSDP_CASES,
     Net,
     TinyMoE,
+    broadcast_checks,
+    data_parallel_checks,
+    ddp_controls,
     ddp_run,
+    dp_costs,
     fsdp_vs_ddp,
     lab_fmoe_check,
     moe_checks,
@@ -40,23 +45,60 @@ def _assert_reports(reports_by_case):
 
 
 def _ddp_and_replicate():
-    return ddp_run(2), replicate_checks(2)  # one launch for both
+    return ddp_run(2), replicate_checks(2), ddp_controls(2)  # one launch for all
+
+
+def _failing(checks):
+    return [what for what, ok, _ in checks if not ok]
 
 
 def test_ddp_and_replicate_match_local_training():
-    for ddp, rep in launch(_ddp_and_replicate, 2, timeout=120):
-        _assert_reports({"DDP": ddp, "replicate": rep["train_whole"], "replicate per layer": rep["train_parts"],
-                         "replicate kwargs": rep["train_kwargs"], "sd whole": [rep["sd_whole"]],
-                         "sd per layer": [rep["sd_parts"]]})
+    for ddp, rep, controls in launch(_ddp_and_replicate, 2, timeout=120):
+        assert not _failing(data_parallel_checks(ddp)), data_parallel_checks(ddp)
+        for key in ("train_whole", "train_parts", "train_kwargs", "train_fsdp2"):
+            assert not _failing(data_parallel_checks(rep[key])), key
+        _assert_reports({"sd whole": [rep["sd_whole"]], "sd per layer": [rep["sd_parts"]]})
         keys = rep["keys"]
         assert keys["replicate"] == keys["local"], "replicate() must keep the local state_dict keys"
         assert keys["DDP wrapper"] == [f"module.{k}" for k in keys["local"]]
         spread = rep["ignored_grad_diff"]
         assert spread["fc1"] > 1e-3, f"ignored fc1 grads should differ across ranks: {spread}"
         assert spread["fc2"] == 0.0 and spread["fc3"] == 0.0, f"fc2/fc3 grads must be all-reduced: {spread}"
-        assert rep["device_ids"] is None
+        for seen in rep["device_ids"].values():
+            assert seen == {"alive": True, "device_ids": None, "param devices": ["cpu"]}, seen
         err = rep["device_id_error"]
-        assert err is not None and "Expected device_id to be int or torch.device" in err
+        assert err["raised"] == "RuntimeError" and err["retry"].startswith("AssertionError"), err
+        # the negative controls: no all-reduce fails parity; whole-batch training passes parity, fails the slices
+        assert _failing(data_parallel_checks(controls["no all-reduce"])) == [
+            "parameters == local model's after every step"]
+        assert _failing(data_parallel_checks(controls["whole batch"])) == [
+            "the ranks trained on disjoint slices that make up the global batch"]
+
+
+def _whole_batch_fault():
+    toys.batch_rows = lambda n, rank, world: slice(0, n)  # every rank trains on the whole global batch
+    return ddp_run(2)
+
+
+def test_fault_whole_batch_on_every_rank_fails_the_chapter_checks():
+    """Fault injection: chapter 07's section 2 checks (data_parallel_checks) on a run whose row rule is patched to
+    the whole batch must fail; the clean run passes (test above)."""
+    for run in launch(_whole_batch_fault, 2, timeout=120):
+        assert "the ranks trained on disjoint slices that make up the global batch" in _failing(
+            data_parallel_checks(run))
+
+
+def _noop_broadcast_fault():
+    import labutils.data_parallel as dp
+
+    dp.broadcast_grouped_params = lambda *args, **kwargs: None  # the start-up broadcast does nothing
+    return moe_ep_groups(8, 16, 6, 2, 1.0, True)
+
+
+def test_fault_noop_startup_broadcast_fails_the_chapter_checks():
+    """Fault injection: chapter 07's start-up broadcast checks with a no-op broadcast must fail."""
+    failing = _failing(broadcast_checks(launch(_noop_broadcast_fault, 4, timeout=120), 1.0))
+    assert any(w.startswith("the wrap's broadcast makes them equal") for w in failing), failing
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2
@@ -67,6 +109,9 @@ def test_fully_shard_matches_ddp_sgd_adam_and_batch_dim_1():
         assert {kind for kind, *_ in out["shards"].values()} == {"DTensor"}, out["shards"]
         if not torch.cuda.is_available():
             assert out["offload_error"] is not None, "CPUOffloadPolicy should need an accelerator"
+        assert not any(r.ok for r in out["control"]), "fully_shard on a 1-rank mesh must not match DDP"
+        status = {k: v[0] for k, v in out["features"].items()}
+        assert set(status.values()) <= {"works", "skipped"}, out["features"]
 
 
 def test_spmd_compile_api_is_gone():
@@ -103,10 +148,30 @@ def test_moe_naive_ddp_is_wrong_and_grouping_matches_single_process():
 def test_moe_grouping_with_expert_data_parallel_groups():
     """4 ranks, expert-parallel size 2: experts summed over {0,2} / {1,3}, divided by 4; dense averaged. The
     replicas start from different expert weights: the wrap must broadcast within the expert-DP group."""
-    for rank, (rep, layout) in enumerate(launch(moe_ep_groups, 4, 8, 16, 6, 2, 1.0, True, timeout=120)):
+    out = launch(moe_ep_groups, 4, 8, 16, 6, 2, 1.0, True, timeout=120)
+    assert not _failing(broadcast_checks(out, 1.0)), broadcast_checks(out, 1.0)
+    for rank, (rep, layout) in enumerate(out):
         assert rep.ok, f"rank {rank}:\n{rep.table()}"
         assert layout["ep"] == [[0, 1], [2, 3]] and layout["edp"] == [[0, 2], [1, 3]]
         assert layout["counts"] == {"dp": 6, "world": 0, "expert": 4}, layout["counts"]
+
+
+# ---------------------------------------------------------------------------------------------- costs
+def test_costs_memory_wire_and_the_counters_control():
+    """Chapter 07's cost worker at W=2, one round: fully_shard holds 1/W of what DDP holds, Adam's moments are twice
+    the parameters, every mode sent at least its ring minimum, and the padded control is seen."""
+    for out in launch(dp_costs, 2, rounds=1, steps=2, threads=1, timeout=120):
+        mem = out["memory"]
+        assert set(mem) == set(COST_MODES)
+        assert mem["fully_shard"]["params"] * 2 == mem["DDP"]["params"] == mem["replicate (FSDP2)"]["params"]
+        for m in COST_MODES:
+            assert mem[m]["adam moments"] == 2 * mem[m]["params"] == 2 * mem[m]["grads"], (m, mem[m])
+            low = out["minimum"][m]
+            assert low is None or min(out["sent"][m]) >= low, (m, out["sent"][m], low)
+            assert len(out["round_ms"][m]) == 1
+        ctl = out["control"]
+        assert ctl["padded"] - ctl["plain"] >= ctl["pad_minimum"], ctl
+        assert mem["MoE, expert parallel (grouped)"]["params"] < mem["MoE, experts replicated (DDP)"]["params"]
 
 
 # ---------------------------------------------------------------------------------------------- no workers

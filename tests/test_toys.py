@@ -14,8 +14,8 @@ import torch
 from labutils import toys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKERS = (toys.ddp_run, toys.replicate_checks, toys.fsdp_vs_ddp, toys.moe_checks, toys.moe_ep_groups,
-           toys.lab_fmoe_check, toys.ep_parity, toys.capacity_pitfall)
+WORKERS = (toys.ddp_run, toys.ddp_controls, toys.replicate_checks, toys.fsdp_vs_ddp, toys.moe_checks,
+           toys.moe_ep_groups, toys.lab_fmoe_check, toys.dp_costs, toys.ep_parity, toys.capacity_pitfall)
 
 
 def test_workers_ship_by_reference():
