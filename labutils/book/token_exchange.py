@@ -1,0 +1,211 @@
+"""Three ways to move tokens to experts on other ranks, checked against one process and measured on the wire.
+(Taught in chapter 06, section "Three ways to move tokens"; recorded by ``benchmarks/token_exchange.py``.)
+
+=============  ==============================================================================================
+``fastmoe``    the lab's FastMoE-style layer: each rank holds its own tokens; an all-to-all of exactly the routed
+               rows (no padding), the experts, an all-to-all back (``labutils.moe.expert_parallel``)
+``ds drop``    DeepSpeed 0.19.8 ``MoE(ep_size=W, drop_tokens=True)``: the ``(E, C, d)`` capacity buffer, padded to
+               ``C`` slots per expert whatever the routing, rows over capacity dropped
+``ds dropless``the same with ``drop_tokens=False``: ``C`` is the largest per-expert count, all-reduced with MAX over
+               the expert-parallel group, so the buffer follows the routing and nothing is dropped
+``all-reduce`` Hugging Face transformers' expert parallelism: the hidden states are replicated on every rank of the
+               group; each rank runs its own experts on the tokens routed to them and the partial outputs are
+               summed with an all-reduce (backward: identity for the experts, the router's partial gradients summed)
+=============  ==============================================================================================
+
+Every design is run on the same global batch (``tokens`` rows per rank; the all-reduce design holds all of them on
+every rank) with the same weights, and :func:`run_design` returns, on every rank: the largest output and gradient
+difference from one process holding every expert, the bytes this rank put on the wire per training step (counted by
+the kernel with :mod:`labutils.wire`, so padding and every collective are seen), and the step time.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..moe import FMoETransformerMLP
+from ..moe.expert_parallel import shard_state
+from ..wire import count_wire
+
+DESIGNS = ("fastmoe", "ds drop", "ds dropless", "all-reduce")
+
+
+class _SumForwardIdentityBackward(torch.autograd.Function):
+    """Megatron's "g" operator: all-reduce (sum) in the forward, identity in the backward (every rank holds the
+    same loss on the same replicated output, so each rank's gradient is already the whole one)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        y = y.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _LocalExperts(nn.Module):
+    """The router over every global expert, keeping only the choices of this rank's experts (others -> -1,
+    dropped), renumbered locally: a gate for an ``FMoE`` that holds ``num_local`` experts."""
+
+    def __init__(self, gate: nn.Module, first: int, num_local: int):
+        super().__init__()
+        self.gate, self.first, self.num_local = gate, first, num_local
+
+    def forward(self, x):
+        idx, score = self.gate(x)                                           # (N, k) global ids, (N, k)
+        local = (idx >= self.first) & (idx < self.first + self.num_local)
+        return torch.where(local, idx - self.first, torch.full_like(idx, -1)), score * local
+
+    def get_loss(self, clear=True):
+        return self.gate.get_loss(clear)
+
+    @property
+    def has_loss(self):
+        return self.gate.has_loss
+
+
+def _full_layer(experts: int, d: int, h: int, k: int, seed: int) -> FMoETransformerMLP:
+    torch.manual_seed(seed)                                                 # the same on every rank
+    full = FMoETransformerMLP(experts, d, h, top_k=k)
+    with torch.no_grad():
+        for p in full.parameters():                                         # order-one weights: gradients of
+            p.normal_(0, p.shape[-1] ** -0.5)                               # order one, a real 1e-5 test
+    return full
+
+
+def _batch(seed: int, world: int, tokens: int, d: int) -> tuple:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(world * tokens, d, generator=g), torch.randn(world * tokens, d, generator=g)
+
+
+def _err(got: dict, want: dict) -> float:
+    """Largest |difference| over tensors, relative to each reference tensor's largest entry."""
+    return max(float((got[n] - want[n]).abs().max()) / max(float(want[n].abs().max()), 1e-12) for n in want)
+
+
+def _lab_layer(design, full, experts, d, h, k, rank, world):
+    ne = experts // world
+    if design == "fastmoe":
+        part = FMoETransformerMLP(ne, d, h, top_k=k, world_size=world)
+        part.load_state_dict(shard_state(full.state_dict(), rank, ne))
+        return part
+    part = FMoETransformerMLP(ne, d, h, top_k=k)                             # all-reduce: my experts only ...
+    mine = shard_state(full.state_dict(), rank, ne)
+    part.experts.load_state_dict({n[len("experts."):]: v for n, v in mine.items() if n.startswith("experts.")})
+    part.gate = _LocalExperts(copy.deepcopy(full.gate), rank * ne, ne)      # ... behind the whole router
+    return part
+
+
+def _reference_lab(full, x_all, w_all):
+    x = x_all.clone().requires_grad_()
+    y = full(x)
+    (y * w_all).sum().backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in full.named_parameters()}
+
+
+def _step_lab(design, part, x, w):
+    """One training step's forward, backward and router-gradient reduction; returns the output and x's grad."""
+    x = x.clone().requires_grad_()
+    y = part(x)
+    if design == "all-reduce":
+        y = _SumForwardIdentityBackward.apply(y)
+    (y * w).sum().backward()
+    grad_x = x.grad
+    for n, p in part.named_parameters():                                    # the replicated router: its gradient
+        if n.startswith("gate."):                                           # summed over the ranks (each saw
+            dist.all_reduce(p.grad)                                         # its tokens, or its experts' share)
+    if design == "all-reduce":
+        dist.all_reduce(grad_x)                                             # replicated input: partials summed
+    return y.detach(), grad_x
+
+
+def _run_lab(design, experts, d, h, k, tokens, steps, seed):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = _full_layer(experts, d, h, k, seed)
+    x_all, w_all = _batch(seed, world, tokens, d)
+    y_ref, gx_ref, g_ref = _reference_lab(full, x_all, w_all)
+    part = _lab_layer(design, full, experts, d, h, k, rank, world)
+    mine = slice(0, None) if design == "all-reduce" else slice(rank * tokens, (rank + 1) * tokens)
+    x, w = x_all[mine], w_all[mine]
+
+    def step():
+        part.zero_grad(set_to_none=True)
+        return _step_lab(design, part, x, w)
+
+    y, gx = step()
+    ne = experts // world
+    want = shard_state(g_ref, rank, ne)
+    got = {n: p.grad for n, p in part.named_parameters()}
+    got = {n.replace("gate.gate.gate.", "gate.gate."): g for n, g in got.items()}
+    errors = {"output": _err({"y": y}, {"y": y_ref[mine]}), "input grad": _err({"x": gx}, {"x": gx_ref[mine]}),
+              "param grads": _err(got, want)}
+    return errors, {**_measure(step, steps), "tokens_without_output": 0}
+
+
+def _run_ds(design, experts, d, h, k, tokens, steps, seed):
+    from ..toys import ep_layers
+
+    rank = dist.get_rank()
+    full, sharded = ep_layers(d, experts, k, seed, drop_tokens=(design == "ds drop"))
+    from ..ds.runtime import shard_for_rank
+
+    g = torch.Generator().manual_seed(seed + 1 + rank)                      # every rank its own tokens
+    x, w = torch.randn(tokens, d, generator=g), torch.randn(tokens, d, generator=g)
+
+    def run(model, reduce_all):
+        model.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        y, _, _ = model(xr)
+        (y * w).sum().backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None and (reduce_all or "deepspeed_experts" not in n):
+                dist.all_reduce(p.grad)                                     # router over ranks; ep_size=1's
+        return y.detach(), xr.grad                                          # experts too (each saw its tokens)
+
+    y_ref, gx_ref = run(full, True)
+    g_ref = shard_for_rank({n: p.grad for n, p in full.named_parameters() if p.grad is not None}, sharded, rank)
+    y, gx = run(sharded, False)
+    got = {n: p.grad for n, p in sharded.named_parameters() if p.grad is not None}
+    errors = {"output": _err({"y": y}, {"y": y_ref}), "input grad": _err({"x": gx}, {"x": gx_ref}),
+              "param grads": _err(got, g_ref)}
+    kept = int((y.abs().sum(1) > 0).sum())                                  # tokens with any expert output
+    return errors, {**_measure(lambda: run(sharded, False), steps), "tokens_without_output": tokens - kept}
+
+
+def _measure(step, steps: int) -> dict:
+    """Bytes this rank sends and seconds per step (after one warm-up), each step started together (barrier)."""
+    step()
+    sent, seconds = [], []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        with count_wire() as wire:
+            step()
+        seconds.append(time.perf_counter() - t0)
+        sent.append(wire.sent)
+    return {"sent": sent, "seconds": seconds}
+
+
+def run_design(design: str, *, experts: int, d: int, h: int, k: int = 2, tokens: int = 64, steps: int = 10,
+               seed: int = 0) -> dict:
+    """On every rank of a gloo launch: parity with one process and the per-step wire bytes and times of one
+    design. Returns ``{"errors": {"output", "input grad", "param grads"}, "sent": [...], "seconds": [...],
+    "sent_median", "seconds_median", "tokens_without_output"}`` (tokens that lost every choice to the capacity: the
+    dropping design's cost in quality, not in bytes)."""
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    world = dist.get_world_size()
+    if experts % world or experts // world < k:
+        raise ValueError(f"experts={experts} must be a multiple of the world size {world} with at least k={k} "
+                         "experts per rank")
+    runner = _run_lab if design in ("fastmoe", "all-reduce") else _run_ds
+    errors, measured = runner(design, experts, d, h, k, tokens, steps, seed)
+    return {"errors": errors, **measured, "sent_median": statistics.median(measured["sent"]),
+            "seconds_median": statistics.median(measured["seconds"])}

@@ -1,0 +1,35 @@
+"""Chapter 06's three ways to move tokens (labutils.book.token_exchange): each design equals one process holding
+every expert, outputs and gradients, and its bytes are counted on the wire."""
+import pytest
+
+from labutils import launch
+from labutils.book import token_exchange as tx
+
+pytestmark = pytest.mark.dist
+
+KW = dict(experts=4, d=8, h=16, k=2, tokens=24, steps=2)
+
+
+def _all_designs():
+    return {d: tx.run_design(d, **KW) for d in tx.DESIGNS}
+
+
+def test_every_design_equals_one_process_and_sends_bytes():
+    results = launch(_all_designs, 2, timeout=240)
+    for rank, res in enumerate(results):
+        for design, r in res.items():
+            assert max(r["errors"].values()) < 1e-5, (rank, design, r["errors"])
+            assert min(r["sent"]) > 8 * 4, (rank, design, r["sent"])           # at least some rows crossed
+    # DeepSpeed's dropping buffer is (E, C, d) whatever the routing: the same bytes on every rank
+    assert results[0]["ds drop"]["sent_median"] == results[1]["ds drop"]["sent_median"]
+
+
+def _bad(design, experts):
+    return tx.run_design(design, **{**KW, "experts": experts})
+
+
+def test_bad_input_is_refused_on_every_rank():
+    with pytest.raises(Exception, match="design must be one of"):
+        launch(_bad, 2, "nccl-magic", 4, timeout=60)
+    with pytest.raises(Exception, match="experts=3 must be a multiple of the world size 2"):
+        launch(_bad, 2, "fastmoe", 3, timeout=60)
