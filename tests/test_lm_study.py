@@ -1,6 +1,5 @@
 """Chapter 05's study: the split by file, fair variants, the verdict arithmetic and a real (tiny) run."""
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -53,45 +52,124 @@ def test_steps_to_reach_interpolates_and_says_never():
     assert lm_study.steps_to_reach([1, 2, 3], [3.0, 1.0, 2.0], 1.5) == pytest.approx(1.75)
 
 
-def fake_record(finals: dict, steps=(100, 200)) -> dict:
+def fake_record(finals: dict, steps=(100, 200), name="test") -> dict:
     runs = [{"name": n, "seed": s, "val_steps": list(steps), "val": [v + 1.0, v], "flops_per_step": 1,
              "train_seconds": [1.0, 2.0]} for n, vals in finals.items() for s, v in enumerate(vals)]
-    return {"runs": runs, "jobs": 1, "config": {"name": "test", "threads": 1}}
+    return {"runs": runs, "jobs": 1, "config": {"name": name, "threads": 1}}
 
 
-def test_summarize_writes_the_verdict_from_the_numbers():
+def test_summarize_tests_every_pair_and_the_speedup_interval():
     win = lm_study.summarize(fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.8, 1.81, 1.79],
                                           "dense-wide": [1.7, 1.71, 1.69]}))
-    assert win["gap"] == pytest.approx(0.2) and win["moe_wins"] and win["regime_ok"]
-    assert win["speedups"] == pytest.approx([200 / 180] * 3, rel=0.02)  # MoE crosses 2.0 at 180 of 200 steps
+    assert win["moe_vs_dense"].verdict == "ahead" and win["moe_vs_dense"].diff == pytest.approx(-0.2)
+    assert win["wide_vs_dense"].verdict == "ahead" and win["moe_vs_wide"].verdict == "behind"
+    sp = win["speedup"]
+    assert sp["pairs"] == sp["reached"] == 9 and sp["ci"][0] <= sp["mean"] <= sp["ci"][1]
+    # each pair: dense seed i's final loss, reached by MoE seed j on its straight line from 2.8 to 1.8
+    want = [200 / (100 + 100 * (2.8 + 0.01 * j - d) / 1.0) for d in (2.0, 2.01, 1.99) for j in (0, 1, -1)]
+    assert sorted(sp["values"]) == pytest.approx(sorted(want))
     lines = "\n".join(lm_study.verdict_lines(win))
-    assert "MoE is better, beyond the noise" in lines and "NOT met" in lines
-    # negative control: a gap inside the seed spread is inconclusive, and the regime check says why
-    noisy = lm_study.summarize(fake_record({"dense": [2.0, 2.2, 1.8], "MoE": [1.95, 2.15, 1.75],
-                                            "dense-wide": [1.98, 2.18, 1.78]}))
-    assert not noisy["moe_wins"] and not noisy["regime_ok"]
-    assert "inconclusive" in "\n".join(lm_study.verdict_lines(noisy))
+    assert "MoE is ahead of dense" in lines and "preset test" in lines and "NOT met" in lines  # 1.11 < 1.3
+    assert "met (the interval's lower bound clears it)" in "\n".join(lm_study.verdict_lines(win, 1.05))
 
 
-def test_a_tiny_study_runs_is_seeded_and_parallel_runs_match():
-    one = lm_study.run_study(TINY, jobs=1, log=None)
-    names = [(r["name"], r["seed"]) for r in one["runs"]]
-    assert names == [(n, s) for s in TINY.seeds for n in lm_study.MAIN] + [("top-1", TINY.seeds[0])]
-    assert all(math.isfinite(v) and v < math.log(96) + 0.5 for r in one["runs"] for v in r["val"])
-    again = lm_study.run_one(TINY, "MoE", TINY.seeds[1])
-    assert again["val"] == one["runs"][4]["val"]            # same seed, same curve, bit for bit
-    assert one["runs"][1]["val"] != one["runs"][4]["val"]    # another seed, another curve
-    two = lm_study.run_study(TINY, jobs=2, log=None)         # spawned workers: same numbers as in-process
-    assert [r["val"] for r in two["runs"]] == [r["val"] for r in one["runs"]]
-    assert len(one["runs"][1]["load"][0]) == TINY.num_expert and lm_study.load_shares(one).shape[1] == 8
+def test_two_seeds_are_inconclusive_whatever_the_means_and_never_meet_a_target():
+    two = lm_study.summarize(fake_record({"dense": [2.0, 2.01], "MoE": [1.5, 1.51], "dense-wide": [1.4, 1.41]}))
+    assert two["moe_vs_dense"].verdict == two["wide_vs_dense"].verdict == "inconclusive"
+    assert not lm_study.target_met(two["speedup"], 1.0)     # 4 pairs: fewer than 3 seeds per arm
+    lines = "\n".join(lm_study.verdict_lines(two))
+    assert "inconclusive (fewer than 3 seeds in an arm)" in lines and "NOT shown" in lines
+    # negative control: the same gaps with 3 seeds per arm do clear
+    three = lm_study.summarize(fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.5, 1.51, 1.49],
+                                            "dense-wide": [1.4, 1.41, 1.39]}))
+    assert three["moe_vs_dense"].verdict == "ahead" and lm_study.target_met(three["speedup"], 1.0)
 
 
-def test_ablations_are_judged_against_the_same_seed_and_the_seed_spread():
-    record = fake_record({"dense": [2.0, 2.0], "MoE": [1.80, 1.82], "dense-wide": [1.7, 1.7],
-                          "top-1": [1.70], "E=4": [1.81]})
-    lines = lm_study.ablation_lines(record)                   # MoE seed std 0.014: 2 x = 0.028
-    assert lines[0].startswith("top-1") and "-0.1000" in lines[0] and "better than MoE" in lines[0]
-    assert lines[1].startswith("E=4") and "+0.0100" in lines[1] and "within the noise" in lines[1]
+def test_equal_time_compares_every_run_at_the_shortest_training_time():
+    record = fake_record({"dense": [2.0, 2.0, 2.0], "MoE": [1.9, 1.9, 1.9], "dense-wide": [1.8, 1.8, 1.8]},
+                         steps=(100, 200, 300))
+    for r in record["runs"]:
+        r["val"] = [r["val"][0], (r["val"][0] + r["val"][1]) / 2, r["val"][1]]
+        r["train_seconds"] = [1.0, 2.0, 3.0] if r["name"] != "MoE" else [2.0, 4.0, 6.0]  # MoE twice as slow
+    eq = lm_study.summarize(record)["equal_time"]
+    assert eq["seconds"] == 3.0 and eq["unreached"] == 0
+    # at 3 s dense is at its end (2.0); MoE is halfway between its first two evaluations: 2.9 - 0.25 = 2.65
+    assert eq["comparison"].mean_a == pytest.approx(2.65) and eq["comparison"].mean_b == pytest.approx(2.0)
+    assert eq["comparison"].verdict == "behind"
+
+
+def test_ablations_are_tested_against_the_moe_mean():
+    record = fake_record({"dense": [2.0, 2.0, 2.0], "MoE": [1.80, 1.82, 1.81], "dense-wide": [1.7, 1.7, 1.7],
+                          "top-1": [1.90, 1.91, 1.92], "E=4": [1.81]})
+    comp = lm_study.ablation_comparisons(record)
+    assert comp["top-1"].verdict == "behind" and comp["top-1"].n_a == 3
+    assert comp["E=4"].verdict == "inconclusive" and comp["E=4"].n_a == 1   # one seed cannot be tested
+    lines = lm_study.ablation_lines(record)
+    assert lines[0].startswith("top-1 is behind MoE") and "inconclusive" in lines[1]
+
+
+def test_flops_counted_by_torch_equal_the_analytic_count_for_every_variant():
+    cfg = dataclasses.replace(lm_study.PRESETS["tiny"], batch=2, ablations=lm_study.ABLATIONS)
+    for name, v in lm_study.variants(cfg).items():
+        measured, analytic = lm_study.measured_train_flops(cfg, v, 96), lm_study.train_flops_per_token(cfg, v, 96) * 64
+        if v.gate == "switch":   # tokens over capacity skip the experts: fewer FLOPs, never more
+            assert 0.8 * analytic < measured <= analytic, name
+        else:
+            assert measured == analytic, name
+    # negative control: the count of a variant with one router matmul fewer does not match the NoisyGate model
+    moe = lm_study.variants(cfg)["MoE"]
+    wrong = dataclasses.replace(moe, gate="switch")
+    assert lm_study.measured_train_flops(cfg, moe, 96) != lm_study.train_flops_per_token(cfg, wrong, 96) * 64
+
+
+def test_shared_windows_finds_a_leaked_file_and_not_a_clean_split():
+    g = torch.Generator().manual_seed(0)
+    train, val = torch.randint(96, (20_000,), generator=g), torch.randint(96, (3_000,), generator=g)
+    assert not lm_study.shared_windows(train, val, 32).any()                     # random text shares nothing
+    leaked = torch.cat([train[:5000], val[1000:2000], train[5000:]])          # a piece of validation in training
+    covered = lm_study.shared_windows(leaked, val, 32)
+    assert covered[1000:2000].all() and not covered[:1000].any() and not covered[2000:].any()
+    with pytest.raises(ValueError, match="width=64"):
+        lm_study.shared_windows(train, val[:10], 64)
+
+
+def test_window_coverage_replays_the_run_and_matches_the_poisson_share():
+    cfg = dataclasses.replace(lm_study.PRESETS["tiny"], steps=400, batch=16, block=32)
+    cov = lm_study.window_coverage(cfg, 200_000, seed=0)                         # ~1.0 epoch
+    assert cov["epochs"] == pytest.approx(400 * 16 * 32 / 200_000)
+    assert cov["twice_share"] == pytest.approx(cov["poisson_twice_share"], abs=0.02)
+    assert 0.3 < cov["twice_share"] < 0.5
+
+
+def test_the_training_clock_leaves_evaluations_out():
+    now = [0.0]
+    clock = lm_study.TrainClock(lambda: now[0])
+    now[0] = 5.0                       # 5 s of training
+    clock.eval_start()
+    now[0] = 105.0                     # a 100 s evaluation
+    clock.eval_end()
+    now[0] = 108.0                     # 3 s more training
+    assert clock.eval_start() == 8.0 and clock.eval_seconds == 100.0
+    with pytest.raises(RuntimeError, match="without eval_start"):
+        lm_study.TrainClock().eval_end()
+
+
+def test_the_switch_gate_top1_router_gets_a_task_gradient():
+    cfg = lm_study.PRESETS["tiny"]
+    grads = {}
+    for name in ("top-1", "top-1 Switch"):
+        layer = lm_study.variants(dataclasses.replace(cfg, ablations=("top-1", "top-1 Switch")))[name].ffn(32)
+        torch.manual_seed(0)
+        layer(torch.randn(64, 32)).pow(2).sum().backward()
+        grads[name] = max(p.grad.abs().max().item() for p in layer.gate.parameters())
+    assert grads["top-1"] == 0.0 and grads["top-1 Switch"] > 1e-4
+
+
+def test_data_limited_control_trains_on_a_slice():
+    cfg = lm_study.data_limited(lm_study.PRESETS["full"])
+    assert cfg.train_chars == 1_000_000 and cfg.ablations == () and 4 < lm_study.epochs(cfg, cfg.train_chars) < 4.2
+    with pytest.raises(ValueError, match="train_chars=10 must exceed block"):
+        lm_study.run_study(dataclasses.replace(TINY, train_chars=10))
 
 
 def test_bad_input_is_refused_with_a_clear_message():
