@@ -24,6 +24,16 @@ def test_every_design_equals_one_process_and_sends_bytes():
     assert results[0]["ds drop"]["sent_median"] == results[1]["ds drop"]["sent_median"]
 
 
+def _faulty():
+    return {d: tx.run_design(d, **{**KW, "steps": 1}, fault="router not summed") for d in tx.DESIGNS}
+
+
+def test_negative_control_a_router_gradient_left_unsummed_fails_parity_in_every_design():
+    for rank, res in enumerate(launch(_faulty, 2, timeout=240)):
+        for design, r in res.items():
+            assert r["errors"]["param grads"] > 1e-2, (rank, design, r["errors"])
+
+
 def _bad(design, experts):
     return tx.run_design(design, **{**KW, "experts": experts})
 

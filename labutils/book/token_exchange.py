@@ -110,8 +110,9 @@ def _reference_lab(full, x_all, w_all):
     return y.detach(), x.grad, {n: p.grad for n, p in full.named_parameters()}
 
 
-def _step_lab(design, part, x, w):
-    """One training step's forward, backward and router-gradient reduction; returns the output and x's grad."""
+def _step_lab(design, part, x, w, fault=None):
+    """One training step's forward, backward and router-gradient reduction; returns the output and x's grad.
+    ``fault="router not summed"`` skips the router's reduction (the negative control of the parity check)."""
     x = x.clone().requires_grad_()
     y = part(x)
     if design == "all-reduce":
@@ -119,14 +120,14 @@ def _step_lab(design, part, x, w):
     (y * w).sum().backward()
     grad_x = x.grad
     for n, p in part.named_parameters():                                    # the replicated router: its gradient
-        if n.startswith("gate."):                                           # summed over the ranks (each saw
+        if n.startswith("gate.") and fault != "router not summed":          # summed over the ranks (each saw
             dist.all_reduce(p.grad)                                         # its tokens, or its experts' share)
     if design == "all-reduce":
         dist.all_reduce(grad_x)                                             # replicated input: partials summed
     return y.detach(), grad_x
 
 
-def _run_lab(design, experts, d, h, k, tokens, steps, seed):
+def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     full = _full_layer(experts, d, h, k, seed)
     x_all, w_all = _batch(seed, world, tokens, d)
@@ -137,7 +138,7 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed):
 
     def step():
         part.zero_grad(set_to_none=True)
-        return _step_lab(design, part, x, w)
+        return _step_lab(design, part, x, w, fault)
 
     y, gx = step()
     ne = experts // world
@@ -149,7 +150,7 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed):
     return errors, {**_measure(step, steps), "tokens_without_output": 0}
 
 
-def _run_ds(design, experts, d, h, k, tokens, steps, seed):
+def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
     from ..toys import ep_layers
 
     rank = dist.get_rank()
@@ -165,7 +166,8 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed):
         y, _, _ = model(xr)
         (y * w).sum().backward()
         for n, p in model.named_parameters():
-            if p.grad is not None and (reduce_all or "deepspeed_experts" not in n):
+            if p.grad is not None and (reduce_all or "deepspeed_experts" not in n) and not (
+                    fault == "router not summed" and not reduce_all):
                 dist.all_reduce(p.grad)                                     # router over ranks; ep_size=1's
         return y.detach(), xr.grad                                          # experts too (each saw its tokens)
 
@@ -193,19 +195,24 @@ def _measure(step, steps: int) -> dict:
     return {"sent": sent, "seconds": seconds}
 
 
+FAULTS = (None, "router not summed")
+
+
 def run_design(design: str, *, experts: int, d: int, h: int, k: int = 2, tokens: int = 64, steps: int = 10,
-               seed: int = 0) -> dict:
+               seed: int = 0, fault: str | None = None) -> dict:
     """On every rank of a gloo launch: parity with one process and the per-step wire bytes and times of one
     design. Returns ``{"errors": {"output", "input grad", "param grads"}, "sent": [...], "seconds": [...],
     "sent_median", "seconds_median", "tokens_without_output"}`` (tokens that lost every choice to the capacity: the
     dropping design's cost in quality, not in bytes)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     world = dist.get_world_size()
     if experts % world or experts // world < k:
         raise ValueError(f"experts={experts} must be a multiple of the world size {world} with at least k={k} "
                          "experts per rank")
     runner = _run_lab if design in ("fastmoe", "all-reduce") else _run_ds
-    errors, measured = runner(design, experts, d, h, k, tokens, steps, seed)
+    errors, measured = runner(design, experts, d, h, k, tokens, steps, seed, fault)
     return {"errors": errors, **measured, "sent_median": statistics.median(measured["sent"]),
             "seconds_median": statistics.median(measured["seconds"])}
