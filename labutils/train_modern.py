@@ -153,7 +153,9 @@ PRESETS = {
 
 
 def variants(d: int, bias_rate: float) -> dict:
-    """Chapter 09's ten feed-forwards at equal active expert width ``4 d`` (grouped-GEMM experts)."""
+    """Chapter 09's ten feed-forwards at equal active expert width ``4 d`` (grouped-GEMM experts); every MoE
+    variant also holds the same total expert parameters, ``8 x 2 d x 2 d`` (fine-grained: 32 experts a quarter as
+    wide; shared: one of the eight experts always on, seven routed)."""
     return {
         "dense": lambda: make_ffn("dense", d, 4 * d),
         "top-2/8, no balancing": lambda: ModernMoE(d, 2 * d, 8, 2, impl="grouped"),
@@ -164,7 +166,8 @@ def variants(d: int, bias_rate: float) -> dict:
         "top-2/8, batch loss + z-loss": lambda: ModernMoE(d, 2 * d, 8, 2, balance="batch", z_coef=1e-3,
                                                           impl="grouped"),
         "fine-grained top-8/32": lambda: ModernMoE(d, d // 2, 32, 8, balance="batch", impl="grouped"),
-        "shared 1 + top-1/8": lambda: ModernMoE(d, 2 * d, 8, 1, n_shared=1, balance="batch", impl="grouped"),
+        # the shared expert is carved out of the routed pool (DeepSeekMoE): 1 + 7 experts, total as top-2/8
+        "shared 1 + top-1/7": lambda: ModernMoE(d, 2 * d, 7, 1, n_shared=1, balance="batch", impl="grouped"),
         "expert choice, c=2": lambda: ModernMoE(d, 2 * d, 8, 2, routing="expert", capacity_factor=2.0,
                                                 impl="grouped"),
         "top-2/8, dropping cf=1": lambda: ModernMoE(d, 2 * d, 8, 2, balance="batch", capacity_factor=1.0,
