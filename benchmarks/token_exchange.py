@@ -38,7 +38,8 @@ def summarize(per_rank: list) -> dict:
             "sent_per_rank": [r["sent_median"] for r in per_rank],
             "sent_mean": statistics.fmean(r["sent_median"] for r in per_rank),
             "step_seconds": {"q1": q1, "median": med, "q3": q3, "all": slowest},
-            "tokens_without_output": sum(r["tokens_without_output"] for r in per_rank)}
+            "tokens_without_output": sum(r["tokens_without_output"] for r in per_rank),
+            "choices_dropped": sum(r["choices_dropped"] for r in per_rank)}
 
 
 def main() -> int:
@@ -59,7 +60,7 @@ def main() -> int:
             print(f"W={world} {design:<12} sent/rank {res['sent_mean']:>10.0f} B   step median "
                   f"{res['step_seconds']['median'] * 1e3:7.1f} ms [IQR {res['step_seconds']['q1'] * 1e3:.1f}-"
                   f"{res['step_seconds']['q3'] * 1e3:.1f}]   max error {max(res['max_error'].values()):.1e}   "
-                  f"tokens without output {res['tokens_without_output']}", flush=True)
+                  f"choices dropped {res['choices_dropped']}", flush=True)
     record["machine"]["load_avg_1min_end"] = machine_info()["load_avg_1min"]
     print("wrote", save_result(record, out, ROOT))
     return 0

@@ -147,10 +147,11 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
     got = {n.replace("gate.gate.gate.", "gate.gate."): g for n, g in got.items()}
     errors = {"output": _err({"y": y}, {"y": y_ref[mine]}), "input grad": _err({"x": gx}, {"x": gx_ref[mine]}),
               "param grads": _err(got, want)}
-    return errors, {**_measure(step, steps), "tokens_without_output": 0}
+    return errors, {**_measure(step, steps), "tokens_without_output": 0, "choices_dropped": 0}
 
 
 def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
+    from ..ds.gating import ds_capacity
     from ..toys import ep_layers
 
     rank = dist.get_rank()
@@ -160,10 +161,12 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
     g = torch.Generator().manual_seed(seed + 1 + rank)                      # every rank its own tokens
     x, w = torch.randn(tokens, d, generator=g), torch.randn(tokens, d, generator=g)
 
+    seen = {}
+
     def run(model, reduce_all):
         model.zero_grad(set_to_none=True)
         xr = x.clone().requires_grad_()
-        y, _, _ = model(xr)
+        y, _, seen["counts"] = model(xr)                                     # counts: (E,) routed, before drops
         (y * w).sum().backward()
         for n, p in model.named_parameters():
             if p.grad is not None and (reduce_all or "deepspeed_experts" not in n) and not (
@@ -178,7 +181,10 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
     errors = {"output": _err({"y": y}, {"y": y_ref}), "input grad": _err({"x": gx}, {"x": gx_ref}),
               "param grads": _err(got, g_ref)}
     kept = int((y.abs().sum(1) > 0).sum())                                  # tokens with any expert output
-    return errors, {**_measure(lambda: run(sharded, False), steps), "tokens_without_output": tokens - kept}
+    cap = ds_capacity(tokens, experts, 1.0, k=k, min_capacity=0) if design == "ds drop" else tokens * k
+    dropped = int((seen["counts"].long() - cap).clamp_min(0).sum())          # choices over capacity
+    return errors, {**_measure(lambda: run(sharded, False), steps), "tokens_without_output": tokens - kept,
+                    "choices_dropped": dropped}
 
 
 def _measure(step, steps: int) -> dict:
@@ -202,8 +208,8 @@ def run_design(design: str, *, experts: int, d: int, h: int, k: int = 2, tokens:
                seed: int = 0, fault: str | None = None) -> dict:
     """On every rank of a gloo launch: parity with one process and the per-step wire bytes and times of one
     design. Returns ``{"errors": {"output", "input grad", "param grads"}, "sent": [...], "seconds": [...],
-    "sent_median", "seconds_median", "tokens_without_output"}`` (tokens that lost every choice to the capacity: the
-    dropping design's cost in quality, not in bytes)."""
+    "sent_median", "seconds_median", "tokens_without_output", "choices_dropped"}`` (expert choices over the capacity,
+    and tokens that lost every choice: the dropping design's cost in quality, not in bytes)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if fault not in FAULTS:
