@@ -217,16 +217,20 @@ def record_full(preset: dict, jobs: int = 2) -> dict:
             "wall_seconds": time.perf_counter() - t0, "variants": [done[n] for n in names]}
 
 
-def ranking_lines(record: dict) -> list:
-    """Each variant against the best one, judged by twice the larger seed std of the two (from the record)."""
-    rows = sorted(record["variants"], key=lambda v: v["row"]["val"])
+def ranking_lines(record: dict, key: str = "final") -> list:
+    """Each variant against the best one (lowest mean of its per-seed ``key`` values, e.g. ``"final"``, the last
+    evaluation), judged by Welch's t-test over seeds (:func:`labutils.stats.welch`, alpha 0.05)."""
+    from .stats import welch
+
+    rows = sorted(record["variants"], key=lambda v: sum(v[key]) / len(v[key]))
     if not rows:
         raise ValueError("the record holds no variant to rank")
     best = rows[0]
     lines = []
     for v in rows:
-        gap = v["row"]["val"] - best["row"]["val"]
-        noise = 2 * max(v["row"]["val_std"], best["row"]["val_std"])
-        word = "best" if v is best else ("level with the best (within 2 std)" if gap <= noise else "worse")
-        lines.append(f"{v['name']:<30} {v['row']['val']:.4f} ± {v['row']['val_std']:.4f}   {gap:+.4f}  {word}")
+        c = welch(v[key], best[key], names=(v["name"], best["name"]))
+        sd = 0.0 if math.isnan(c.sd_a) else c.sd_a
+        word = ("best" if v is best else f"behind the best (Welch p = {c.p:.3g})" if c.verdict == "behind"
+                else f"not distinguishable from the best (p = {c.p:.3g})")
+        lines.append(f"{v['name']:<30} {c.mean_a:.4f} ± {sd:.4f}   {c.diff:+.4f}  {word}")
     return lines

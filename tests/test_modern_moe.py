@@ -284,11 +284,11 @@ def test_chapter_09_variants_and_the_ranking_of_a_record():
 
     table = train_modern.variants(16, 1e-3)
     assert len(table) == 10 and all(isinstance(make(), torch.nn.Module) for make in table.values())
-    record = {"variants": [{"name": n, "row": {"val": v, "val_std": sd}}
-                           for n, v, sd in (("a", 1.50, 0.01), ("b", 1.51, 0.01), ("c", 1.60, 0.01))]}
+    record = {"variants": [{"name": n, "final": [v - 0.01, v, v + 0.01]}
+                           for n, v in (("a", 1.50), ("b", 1.51), ("c", 1.60))]}
     lines = train_modern.ranking_lines(record)
     assert lines[0].startswith("a") and "best" in lines[0]
-    assert "level with the best" in lines[1] and lines[2].rstrip().endswith("worse")
+    assert "not distinguishable" in lines[1] and "behind the best (Welch" in lines[2]
     assert set(train_modern.PRESETS) == {"tiny", "full"}
 
 
