@@ -4,6 +4,14 @@
     .venv/bin/python benchmarks/dispatch.py --quick         # tiny sizes, a smoke run -> dispatch_quick.json
     .venv/bin/python benchmarks/dispatch.py --device cuda   # the same on a GPU -> dispatch_cuda.json
     .venv/bin/python benchmarks/dispatch.py --threads 1     # one thread, timed in its CPU time -> dispatch_1thread.json
+    .venv/bin/python benchmarks/dispatch.py --threads 1 --tag r1   # the PRIMARY record, twice (r1, r2): chapter 08's
+    .venv/bin/python benchmarks/dispatch.py --threads 1 --tag r2   # verdicts need at least two recordings
+    .venv/bin/python benchmarks/dispatch.py --threads 1 --config live-tiny   # chapter 08's live sizes (tiny preset):
+                                                            # what its live run is checked against
+
+One thread timed in its CPU time is the primary record: other processes sharing the cores do not inflate it
+(a 2-thread wall-clock run on a loaded machine gave 10-30x the times, issue 32). Every record states the load
+average before and after and flags a run whose load exceeded the cores or whose rounds fell below the minimum.
 
 One forward+backward per design on identical weights and routing (labutils/perf/dispatch.py), interleaved over
 ``--reps`` rounds; times are medians with their IQR and ratios paired medians (labutils.perf.sweep.measure_point).
@@ -26,7 +34,13 @@ sys.path.insert(0, str(ROOT))
 from labutils.optional import available  # noqa: E402
 from labutils.perf.dispatch import DESIGNS, make_problem  # noqa: E402
 from labutils.perf.sweep import core_breakdown, measure_point  # noqa: E402
-from labutils.perf.timing import machine_info, matmul_gflops, save_result  # noqa: E402
+from labutils.perf.timing import (  # noqa: E402
+    describe_conditions,
+    machine_info,
+    matmul_gflops,
+    run_conditions,
+    save_result,
+)
 
 FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=8, budget_s=8,
             experts=dict(tokens=1024, num_expert=[4, 8, 16, 32, 64, 128]),
@@ -40,6 +54,15 @@ QUICK = dict(d_model=64, d_hidden=128, top_k=2, reps=2, budget_s=2,
              topk=dict(tokens=256, num_expert=8, top_k=[1, 4]),
              breakdown=dict(num_expert=8, tokens_per_expert=[16, 128]),
              einsum_max_mb=64)
+# chapter 08's live run, tiny and full presets (keep in step with the chapter's select_preset): the record its
+# live relative costs and phase shares are checked against
+LIVE_TINY = dict(d_model=128, d_hidden=256, top_k=2, reps=5, budget_s=None,
+                 experts=dict(tokens=512, num_expert=[4, 32]),
+                 breakdown=dict(num_expert=16, tokens_per_expert=[16, 128]), einsum_max_mb=512)
+LIVE_FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=5, budget_s=None,
+                 experts=dict(tokens=2048, num_expert=[4, 8, 16, 32, 64, 128]),
+                 breakdown=dict(num_expert=16, tokens_per_expert=[16, 64, 128, 512]), einsum_max_mb=512)
+CONFIGS = {"full": FULL, "quick": QUICK, "live-tiny": LIVE_TINY, "live-full": LIVE_FULL}
 
 
 def designs_for(T, E, k, cfg, device, skipped):
@@ -58,8 +81,8 @@ def designs_for(T, E, k, cfg, device, skipped):
     return names
 
 
-def point(T, E, k, cfg, device, skipped, sweep):
-    p = make_problem(T, cfg["d_model"], cfg["d_hidden"], E, k, device=device)
+def point(T, E, k, cfg, device, skipped, sweep, seed=0):
+    p = make_problem(T, cfg["d_model"], cfg["d_hidden"], E, k, device=device, seed=seed)
     names = designs_for(T, E, k, cfg, device, skipped)
     rows = measure_point(p, names, reps=cfg["reps"], device=device, budget_s=cfg["budget_s"])
     meta = dict(sweep=sweep, tokens=T, num_expert=E, top_k=k, tokens_per_expert=T * k / E,
@@ -75,7 +98,9 @@ def point(T, E, k, cfg, device, skipped, sweep):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 reps (= --config quick)")
+    ap.add_argument("--config", choices=list(CONFIGS), default=None, help="sizes (default: full)")
+    ap.add_argument("--tag", default="", help="suffix of the output name: a repeated recording (r1, r2)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--sweeps", default="experts,tokens,topk,breakdown")
@@ -84,23 +109,26 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cfg = QUICK if args.quick else FULL
-    suffix = (("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "")
-              + ("_1thread" if args.threads == 1 and device.type == "cpu" else ""))
+    name = args.config or ("quick" if args.quick else "full")
+    cfg = CONFIGS[name]
+    live = name.startswith("live")
+    suffix = (("" if name == "full" else "_" + name.replace("-", "_")) + ("_cuda" if device.type == "cuda" else "")
+              + ("_1thread" if args.threads == 1 and device.type == "cpu" else "")
+              + (f"_{args.tag}" if args.tag else ""))
     out = args.out or ROOT / "benchmarks" / "results" / f"dispatch{suffix}.json"
     start = time.perf_counter()
     d, h = cfg["d_model"], cfg["d_hidden"]
-    result = {"machine": machine_info(device), "config": cfg, "skipped": [],
+    result = {"machine": machine_info(device), "config": dict(cfg, name=name), "skipped": [],
               "matmul_gflops": {"square_512": matmul_gflops(512, 512, 512, device=device),
                                 "square_1024": matmul_gflops(1024, 1024, 1024, device=device),
                                 "dense_limit_shape": matmul_gflops(1024, cfg["top_k"] * h, d, device=device)},
               "rows": [], "breakdown": []}
-    sweeps = args.sweeps.split(",")
+    sweeps = [s for s in args.sweeps.split(",") if s in cfg]
     skipped = result["skipped"]
     if "experts" in sweeps:
         s = cfg["experts"]
-        for E in s["num_expert"]:
-            result["rows"] += point(s["tokens"], E, cfg["top_k"], cfg, device, skipped, "experts")
+        for E in s["num_expert"]:  # the live configs use the chapter's seeds (seed=E)
+            result["rows"] += point(s["tokens"], E, cfg["top_k"], cfg, device, skipped, "experts", E if live else 0)
     if "tokens" in sweeps:
         s = cfg["tokens"]
         for tpe in s["tokens_per_expert"]:
@@ -114,14 +142,21 @@ def main() -> int:
         s = cfg["breakdown"]
         for tpe in s["tokens_per_expert"]:
             T = tpe * s["num_expert"] // cfg["top_k"]
-            p = make_problem(T, d, h, s["num_expert"], cfg["top_k"], device=device)
-            b = core_breakdown(p)
+            p = make_problem(T, d, h, s["num_expert"], cfg["top_k"], device=device, seed=tpe if live else 0,
+                             limits=not live)
+            b = core_breakdown(p, reps=cfg["reps"] if live else 3)
             result["breakdown"].append(dict(tokens=T, num_expert=s["num_expert"], top_k=cfg["top_k"],
                                             tokens_per_expert=tpe, **b))
             print(f"breakdown tokens/expert={tpe}: " + ", ".join(f"{k} {v * 1e3:.1f} ms"
                                                                  for k, v in b["total"].items()), flush=True)
     result["skipped"] = sorted(set(skipped))
     result["elapsed_s"] = time.perf_counter() - start
+    after = machine_info(device)
+    result["load_avg_1min_after"] = after["load_avg_1min"]
+    rounds = [len(r["ratios"]) for r in result["rows"] if "ratios" in r]
+    result["conditions"] = run_conditions(min(rounds) if rounds else 0, device=device)
+    result["conditions"]["load_avg_1min_before"] = result["machine"]["load_avg_1min"]
+    print(describe_conditions(result["conditions"]))
     print(f"wrote {save_result(result, out, ROOT)} in {result['elapsed_s']:.0f} s")
     return 0
 

@@ -231,3 +231,200 @@ def test_timed_core_owns_its_parameters_and_matches_the_fed_core():
     assert p.w1.grad is None and all(e.htoh4.weight.grad is not None for e in timed.layer.experts)
     assert_same("CoreMoE vs core", got, run(core, p))
     assert len(list(timed.parameters())) == 4 * 5  # per-expert parameters, fastmoe's layout (the gate has none)
+
+
+# ---- property-based: every size, not one --------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def problems(draw):
+    E = draw(st.integers(1, 9))
+    k = draw(st.integers(1, min(E, 3)))
+    return dict(tokens=draw(st.integers(1, 40)), num_expert=E, top_k=k, d_model=draw(st.sampled_from([1, 2, 4, 8])),
+                d_hidden=draw(st.sampled_from([1, 3, 4, 8, 12])), seed=draw(st.integers(0, 2 ** 16)))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_every_dropless_design_equals_the_loop_and_counts_what_it_computed(kw):
+    """Over T, E, k, d and h: outputs and gradients equal the loop's, and the counts are what was computed
+    (the core's after dispatch, the padded designs' E * busiest expert)."""
+    p = make_problem(limits=False, **kw)
+    T, E, k = kw["tokens"], kw["num_expert"], kw["top_k"]
+    _, counts = count_by_gate(route(p.logits, k)[0], E)
+    designs = build_designs(p, ["loop", "core", "padded", "grouped_mm", "einsum"])
+    ref = run(designs.pop("loop"), p)
+    if kw["d_model"] % 4 or kw["d_hidden"] % 4:  # torch._grouped_mm needs 16-byte aligned rows: a clear error
+        with pytest.raises(ValueError, match="multiples of 4"):
+            run(designs.pop("grouped_mm"), p)
+    for name, fn in designs.items():
+        got = run(fn, p)
+        assert got[0].kept == T * k, f"{name} kept {got[0].kept} of {T * k}"
+        want_rows = E * int(counts.max()) if name in ("padded", "einsum") else T * k
+        assert got[0].rows == want_rows, f"{name} computed {got[0].rows} rows, expected {want_rows}"
+        assert_same(name, got, ref)
+
+
+# ---- fault injection: each fault must make the chapter's checks fail ---------------------------------------
+def _drop_last_expert_above(layer_cls, tokens: int):
+    """A core whose experts silently return zeros for the last expert's rows once the batch exceeds ``tokens``."""
+    inner = layer_cls.expert_fn
+
+    def expert_fn(self, inp, fwd_expert_count):
+        out = inner(self, inp, fwd_expert_count)
+        if inp.shape[0] > tokens * self.top_k and int(fwd_expert_count[-1]):
+            out = out.clone()
+            out[-int(fwd_expert_count[-1]):] = 0
+        return out
+    return expert_fn
+
+
+def test_fault_silent_drop_above_a_size_fails_the_timed_sweep(monkeypatch):
+    """The old equality check ran at T = 96 only; a core that drops an expert's rows above T = 200 passed it.
+    measure_point checks every design against the loop at every size it times: the fault is caught at T = 256."""
+    from labutils.moe.transformer import FMoETransformerMLP
+
+    monkeypatch.setattr(FMoETransformerMLP, "expert_fn", _drop_last_expert_above(FMoETransformerMLP, 200))
+    small = make_problem(tokens=96, d_model=8, d_hidden=16, num_expert=4, top_k=2)
+    rows = measure_point(small, ["loop", "core"], reps=1, memory=False)          # below the size: still right
+    assert all(r["equal_to_loop"] for r in rows if "equal_to_loop" in r)
+    big = make_problem(tokens=256, d_model=8, d_hidden=16, num_expert=4, top_k=2)
+    with pytest.raises(AssertionError, match="core"):
+        measure_point(big, ["loop", "core"], reps=1, memory=False)
+    with pytest.raises(AssertionError, match="profiled core differs"):
+        core_breakdown(make_problem(tokens=256, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False), reps=1)
+
+
+def test_core_counts_rows_where_the_experts_run(monkeypatch):
+    """kept/rows come from expert_fn's input and output, not the gate: rows lost between the gate and the
+    experts show (negative control: a scatter that loses the last row)."""
+    import labutils.moe.layers as layers
+
+    p = make_problem(tokens=32, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
+    assert build_designs(p, ["core"])["core"](p)[1:3] == (64, 64)
+    real_count = layers.count_by_gate
+
+    def losing(idx, E, world_size=1):
+        pos, counts = real_count(idx, E, world_size)
+        counts = counts.clone()
+        counts[-1] -= 1                                                           # the last expert loses a row
+        return pos[:-1], counts
+    monkeypatch.setattr(layers, "count_by_gate", losing)
+    out = build_designs(p, ["core"])["core"](p)
+    assert out.kept == 63 and out.rows == 63
+
+
+def _slowed_grouped_mm(p):
+    """grouped_mm doing its matmuls four times (the result of the last): a slowed design."""
+    from labutils.perf import dispatch as D
+    for _ in range(3):
+        with torch.no_grad():
+            D.grouped_mm(p)
+    return D.grouped_mm(p)
+
+
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return before
+
+
+def test_fault_slowed_design_is_caught_against_the_record():
+    """The live paired ratios of a design are tested against a record of the same size (Welch on the rounds,
+    beyond a 25% slack): a clean re-run is consistent, grouped_mm doing its matmuls four times is slower."""
+    from labutils.perf.sweep import compare_ratios
+
+    before = _one_thread()
+    try:
+        p = make_problem(tokens=256, d_model=64, d_hidden=128, num_expert=4, top_k=2, seed=2)
+        record = {r["design"]: r for r in measure_point(p, ["grouped_mm"], reps=7, memory=False)}
+        clean = {r["design"]: r for r in measure_point(p, ["grouped_mm"], reps=7, memory=False)}
+        designs = {"grouped_mm": _slowed_grouped_mm}
+        slowed = {r["design"]: r for r in measure_point(p, reps=7, memory=False, designs=designs)}
+    finally:
+        torch.set_num_threads(before)
+    assert compare_ratios(clean["grouped_mm"]["ratios"], record["grouped_mm"]["ratios"])["call"] != "slower"
+    call = compare_ratios(slowed["grouped_mm"]["ratios"], record["grouped_mm"]["ratios"])
+    assert call["call"] == "slower", call
+
+
+def test_fault_mislabelled_phase_is_caught_against_the_record(monkeypatch):
+    """The combine charged to expert compute: its share drops to 0, outside the band the record spans."""
+    import labutils.perf.sweep as S
+
+    before = _one_thread()
+    try:
+        p = make_problem(tokens=128, d_model=16, d_hidden=32, num_expert=4, top_k=2, limits=False)
+        record = core_breakdown(p, reps=5)
+        clean = core_breakdown(p, reps=5)
+        monkeypatch.setitem(S._CORE_STEPS, "gather_combine", "expert compute")
+        wrong = core_breakdown(p, reps=5)
+    finally:
+        torch.set_num_threads(before)
+    assert S.compare_phases(clean, record)["combine"]["call"] == "consistent"
+    assert S.compare_phases(wrong, record)["combine"]["call"] == "moved"
+    assert S.compare_phases(wrong, {k: v for k, v in record.items() if k != "runs"})["combine"]["call"] == "untestable"
+
+
+def test_fault_a_sleeping_step_shows_as_waiting():
+    """On one thread the clock is CPU time, which a sleep does not use: the wait share (1 - CPU / wall) shows it."""
+    import time
+
+    from labutils.perf import dispatch as D
+
+    def sleepy_loop(p):
+        time.sleep(0.03)
+        return D.loop(p)
+
+    before = _one_thread()
+    try:
+        p = make_problem(tokens=64, d_model=8, d_hidden=16, num_expert=4, top_k=2)
+        rows = {r["design"]: r for r in measure_point(p, reps=3, memory=False, designs={"loop": sleepy_loop})}
+    finally:
+        torch.set_num_threads(before)
+    assert rows["loop"]["wait_share"] > rows["dense"]["wait_share"] + 0.3
+
+
+def test_judge_overhead_reads_the_live_figure():
+    from labutils.perf.sweep import judge_overhead
+
+    assert judge_overhead({"profiler_overhead": 0.83, "overhead_iqr": (0.78, 0.88), "reps": 5})["call"] == "too high"
+    assert judge_overhead({"profiler_overhead": 0.3, "overhead_iqr": (0.25, 0.35), "reps": 5})["call"] == "ok"
+    noisy = judge_overhead({"profiler_overhead": 0.45, "overhead_iqr": (0.3, 0.9), "reps": 5})
+    assert noisy["call"] == "too noisy" and "too noisy to judge" in noisy["sentence"]
+    assert judge_overhead({"profiler_overhead": 0.1, "overhead_iqr": (0.1, 0.1), "reps": 2})["call"] == "too noisy"
+
+
+def test_breakdown_overhead_compares_like_with_like():
+    """Both halves of the overhead are per-round times on one clock: a median and an IQR over the same rounds."""
+    p = make_problem(tokens=64, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
+    b = core_breakdown(p, reps=3)
+    lo, hi = b["overhead_iqr"]
+    assert lo <= b["profiler_overhead"] <= hi and b["reps"] == 3 and len(b["runs"]) == 3
+
+
+def test_target_verdict_needs_two_recordings_that_agree():
+    from labutils.perf.sweep import target_verdict
+
+    ahead = [0.95, 0.96, 0.97, 0.95, 0.96]
+    behind = [0.80, 0.82, 0.81, 0.79, 0.80]
+    assert target_verdict([ahead], 0.9)["verdict"] == "inconclusive"           # one recording is not enough
+    assert target_verdict([ahead, ahead], 0.9)["verdict"] == "met"
+    assert target_verdict([behind, behind], 0.9)["verdict"] == "NOT met"
+    assert target_verdict([ahead, behind], 0.9)["verdict"] == "inconclusive"   # recordings disagree
+    assert target_verdict([[0.89, 0.91, 0.9], ahead], 0.9)["verdict"] == "inconclusive"
+
+
+def test_run_conditions_flag_overload_and_too_few_rounds(monkeypatch):
+    import os
+
+    from labutils.perf.timing import describe_conditions, run_conditions
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 0.0, 0.0))
+    c = run_conditions(rounds=2, min_rounds=5)
+    assert c["flags"] == ["overloaded", "too few rounds"]
+    assert "OVERLOADED" in describe_conditions(c) and "TOO FEW ROUNDS" in describe_conditions(c)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert run_conditions(rounds=5, min_rounds=5)["flags"] == []

@@ -16,8 +16,10 @@ design             how                                                          
 ``fastmoe``        the real fastmoe's ``FMoETransformerMLP`` (CUDA only, when importable)   -
 =================  ==================================================================  ==================
 
-and two limits that no dispatch can beat: ``dense`` (one MLP ``d -> k*h -> d`` doing the same FLOPs) and
-``separate`` (E independent MLPs on tokens that are already sliced per expert: matmuls only).
+and two references: ``dense`` (one MLP ``d -> k*h -> d`` doing the same FLOPs) and ``separate`` (E independent
+MLPs on tokens that are already sliced per expert: matmuls only). They are yardsticks, not limits: a design can
+beat them (``grouped_mm`` runs all experts in one call and can beat ``separate``'s E calls at few tokens per
+expert), and chapter 08 says where one does.
 
 Routing is shared: :func:`route` turns the same ``logits (T, E)`` into ``(idx, score)`` with DeepSpeed's
 convention (softmax over all experts, top-k, scores renormalised over the k when k > 1), so DeepSpeed's layer,
@@ -36,14 +38,15 @@ from torch import nn
 from ..moe.functions import check_top_k, combine, count_by_gate, gather, scatter
 
 __all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "loop", "core", "padded",
-           "grouped_mm", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate", "DESIGNS", "LIMITS", "build_designs",
+           "grouped_mm", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate", "DESIGNS", "REFERENCES", "LIMITS",
+           "build_designs",
            "fwd_bwd"]
 
 
 # ---- the problem every design solves ------------------------------------------------------------
 @dataclass
 class Problem:
-    """Inputs, routing logits and expert weights (all leaves with ``requires_grad``), plus the limits' inputs."""
+    """Inputs, routing logits and expert weights (all leaves with ``requires_grad``), plus the references' inputs."""
     x: torch.Tensor            # (T, d)
     logits: torch.Tensor       # (T, E)
     w1: torch.Tensor           # (E, h, d)
@@ -77,9 +80,10 @@ class Problem:
 
 
 class DispatchOut(NamedTuple):
-    y: object        # (T, d), or a list of per-expert outputs for the ``separate`` limit
+    y: object        # (T, d), or a list of per-expert outputs for the ``separate`` reference
     kept: int        # (token, choice) pairs that reached an expert (T*k when nothing is dropped)
     rows: int        # rows the experts computed, padding included
+    dropped: object = None  # (T,) bool: tokens with at least one choice dropped (None: the design drops nothing)
 
 
 def route(logits: torch.Tensor, top_k: int):
@@ -93,7 +97,7 @@ def route(logits: torch.Tensor, top_k: int):
 
 def make_problem(tokens: int, d_model: int, d_hidden: int, num_expert: int, top_k: int, seed: int = 0,
                  device="cpu", dtype=torch.float32, limits: bool = True) -> Problem:
-    """A seeded random problem; ``limits`` also builds the dense and pre-sliced inputs of the two limits."""
+    """A seeded random problem; ``limits`` also builds the dense and pre-sliced inputs of the two references."""
     check_top_k(top_k, num_expert)
     g = torch.Generator().manual_seed(seed)
 
@@ -185,7 +189,9 @@ class CoreMoE(nn.Module):
     into the problem's layout for the correctness checks. (Feeding the problem's stacked tensors through
     ``functional_call`` instead, as :func:`core` does, adds a parameter swap per expert and a concatenation of
     the E gradients to every step: a cost of the harness, not of the layer, that grows with E.)
-    The kept count is read from the routing the layer used (its ``gate_hook``), not assumed.
+    ``kept`` and ``rows`` are counted AFTER dispatch, where the experts run (the rows ``expert_fn`` received and
+    the rows it returned), not read from the routing: a core that lost rows between the gate and the experts
+    would show it.
     """
 
     def __init__(self, p: Problem):
@@ -199,12 +205,13 @@ class CoreMoE(nn.Module):
                 if name.startswith("experts."):
                     self.layer.get_parameter(name).copy_(t)
         self.seen: dict = {}
-        self.layer.gate_hook = lambda idx, score, _: self.seen.update(kept=int((idx >= 0).sum()))
+        _count_expert_rows(self.layer, self.seen)
 
     def forward(self, p: Problem) -> DispatchOut:
         self.layer.gate.logits = p.logits                                  # the shared routing
+        self.seen.clear()
         y = self.layer(p.x)                                                # (T, d)
-        return DispatchOut(y, self.seen["kept"], self.seen["kept"])
+        return DispatchOut(y, self.seen.get("kept", 0), self.seen.get("rows", 0))
 
     def expert_grads(self) -> dict:
         """``{"w1": (E, h, d), "b1", "w2", "b2"}``: the experts' gradients in the problem's layout."""
@@ -217,16 +224,34 @@ class CoreMoE(nn.Module):
                 "b2": stack("h4toh", "bias")}
 
 
+def _count_expert_rows(layer, seen: dict) -> None:
+    """Count, where the experts run, the rows they received (``kept``: the sum of ``fwd_expert_count``, checked
+    against the buffer's rows) and the rows they returned (``rows``), into ``seen``: an instance attribute
+    wrapping the layer's ``expert_fn`` (``run_experts`` calls ``self.expert_fn``)."""
+    inner = layer.expert_fn
+
+    def counted(inp, fwd_expert_count):
+        y = inner(inp, fwd_expert_count)                                   # (N, d)
+        received = inp.shape[0] if torch.is_tensor(inp) else int(fwd_expert_count.sum())
+        seen["kept"] = min(int(fwd_expert_count.sum()), received)
+        seen["rows"] = y.shape[0] if torch.is_tensor(y) else received
+        return y
+
+    layer.expert_fn = counted
+
+
 def core(p: Problem) -> DispatchOut:
     """The lab's FastMoE core (``labutils.moe.FMoETransformerMLP``) unchanged, fed this problem's tensors through
     ``functional_call`` (gradients land in the problem's tensors: handy for checks). The timed design is
-    :class:`CoreMoE`, which holds its own parameters. The kept count is read from the routing the layer used
-    (its ``gate_hook``), not assumed."""
+    :class:`CoreMoE`, which holds its own parameters. ``kept`` and ``rows`` are counted where the experts run
+    (see :class:`CoreMoE`)."""
     layer = _core_layer(p.E, p.d, p.h, p.top_k)
-    seen = {}
-    layer.gate_hook = lambda idx, score, _: seen.update(kept=int((idx >= 0).sum()))
+    seen: dict = {}
+    if "expert_fn" in vars(layer):  # one wrapper per cached layer
+        del layer.expert_fn
+    _count_expert_rows(layer, seen)
     y = torch.func.functional_call(layer, per_expert_tensors(p), (p.x,))  # (T, d)
-    return DispatchOut(y, seen["kept"], seen["kept"])
+    return DispatchOut(y, seen.get("kept", 0), seen.get("rows", 0))
 
 
 _FMOE_LAYERS: dict = {}
@@ -270,8 +295,13 @@ def grouped_mm(p: Problem) -> DispatchOut:
 
     Constraints (torch 2.13): ``mat_a`` 2-D ``(N, d)`` with ``mat_b`` 3-D ``(E, d, h)``; float32, bfloat16 or
     float16 (not float64); ``offs`` int32 cumulative group ends; empty groups are fine; its backward needs a
-    contiguous incoming gradient (``y.sum().backward()`` fails); on CUDA it needs sm90+ and 16-byte aligned rows.
+    contiguous incoming gradient (``y.sum().backward()`` fails); rows and weight strides 16-byte aligned, on the
+    CPU too (``d`` and ``h`` multiples of 4 in float32: found by the property-based test); on CUDA sm90+.
     """
+    per_row = 16 // p.x.element_size()
+    if p.d % per_row or p.h % per_row:
+        raise ValueError(f"grouped_mm needs 16-byte aligned rows: d_model={p.d} and d_hidden={p.h} must be "
+                         f"multiples of {per_row} for {p.x.dtype}")
     idx, score = route(p.logits, p.top_k)
     pos, counts, expert, _ = _sorted_slots(idx, p.E)
     offs = counts.cumsum(0).to(torch.int32)                                # (E,)
@@ -305,7 +335,8 @@ def einsum(p: Problem, capacity_factor: float | None = None) -> DispatchOut:
     hid = F.gelu(torch.baddbmm(p.b1.unsqueeze(1), xe, p.w1.transpose(1, 2)))               # (E, C, h)
     out = torch.baddbmm(p.b2.unsqueeze(1), hid, p.w2.transpose(1, 2))                      # (E, C, d)
     y = torch.einsum("tec,ecd->td", comb, out)                             # (T, d)
-    return DispatchOut(y, int(keep.sum()), p.E * C)
+    dropped = (~keep).view(k, T).any(0) if capacity_factor is not None else None  # (T,)
+    return DispatchOut(y, int(keep.sum()), p.E * C, dropped)
 
 
 class _DeepSpeedLogitsGate(nn.Module):
@@ -318,7 +349,7 @@ class _DeepSpeedLogitsGate(nn.Module):
     def __init__(self, gate):
         super().__init__()
         self.k, self.capacity_factor, self.min_capacity = gate.k, gate.capacity_factor, gate.min_capacity
-        self.ep_group, self.logits, self.kept, self.capacity = None, None, 0, 0
+        self.ep_group, self.logits, self.kept, self.capacity, self.dropped = None, None, 0, 0, None
 
     def _set_ep_group(self, ep_group):
         self.ep_group = ep_group
@@ -334,8 +365,13 @@ class _DeepSpeedLogitsGate(nn.Module):
             out = sm.top2gating(logits, cf, self.min_capacity, True, self.ep_group, False, sparse_routes)
         else:
             out = sm.topkgating(logits, self.k, cf, self.min_capacity, True, self.ep_group, sparse_routes=sparse_routes)
-        if sparse_routes:
+        if sparse_routes:  # (l_aux, C, E, indices (k, T) with -1 = dropped, locations, gates, counts)
             self.capacity, self.kept = int(out[1]), int((out[3] >= 0).sum())
+            self.dropped = (out[3] < 0).any(0)                             # (T,) bool
+        else:  # dense: (l_aux, combine (T, E, C), dispatch mask (T, E, C), counts)
+            mask = out[2]
+            self.capacity, self.kept = int(mask.shape[-1]), int(mask.sum())
+            self.dropped = mask.flatten(1).sum(1) < self.k                 # (T,) bool
         return out
 
 
@@ -366,7 +402,7 @@ class DeepSpeedMoE(nn.Module):
     def forward(self, p: Problem) -> DispatchOut:
         self.gate.logits = p.logits
         y, _, _ = self.moe(p.x)                                            # (T, d)
-        return DispatchOut(y, self.gate.kept, p.E * self.gate.capacity)
+        return DispatchOut(y, self.gate.kept, p.E * self.gate.capacity, self.gate.dropped)
 
     def expert_grads(self) -> dict:
         """``{"w1": (E, h, d), "b1", "w2", "b2"}``: the experts' gradients in the problem's layout."""
@@ -388,14 +424,16 @@ def _import_deepspeed():
     return import_deepspeed()
 
 
-# ---- the limits ----------------------------------------------------------------------------------
+# ---- the references --------------------------------------------------------------------------------
 def dense(p: Problem) -> DispatchOut:
-    """Limit 1: one dense MLP ``d -> k*h -> d`` on all T tokens: the same FLOPs with no routing at all."""
+    """Reference 1: one dense MLP ``d -> k*h -> d`` on all T tokens: the same FLOPs with no routing at all (a
+    yardstick, not a limit: designs can beat it)."""
     return DispatchOut(expert_mlp(p.x, *p.dense_w), p.T * p.top_k, p.T * p.top_k)
 
 
 def separate(p: Problem) -> DispatchOut:
-    """Limit 2: E independent MLPs on tokens already sliced per expert: only the matmuls any design must run."""
+    """Reference 2: E independent MLPs on tokens already sliced per expert: the expert matmuls with no dispatch,
+    one call per expert (a yardstick, not a limit: one grouped call for all experts can beat it)."""
     ys = [expert_mlp(x, *w) for x, w in zip(p.sliced_x, p.sliced_w) if x.shape[0]]
     n = sum(x.shape[0] for x in p.sliced_x)
     return DispatchOut(ys, n, n)
@@ -403,12 +441,14 @@ def separate(p: Problem) -> DispatchOut:
 
 DESIGNS = {"loop": loop, "core": CoreMoE, "padded": padded, "grouped_mm": grouped_mm, "einsum": einsum,
            "ds_cf1": 1.0, "ds_cf2": 2.0}  # classes and DeepSpeed's capacity factors: built per problem
-LIMITS = {"dense": dense, "separate": separate}
+REFERENCES = {"dense": dense, "separate": separate}
+LIMITS = REFERENCES  # the 0.2 name: they were called limits, but designs can beat them
 
 
 def build_designs(p: Problem, names=None) -> dict:
-    """``{name: fn(p) -> DispatchOut}`` for the designs and limits named (default: all), DeepSpeed built for ``p``."""
-    table = {**DESIGNS, **LIMITS, "fastmoe": fastmoe}
+    """``{name: fn(p) -> DispatchOut}`` for the designs and references named (default: all), DeepSpeed built
+    for ``p``."""
+    table = {**DESIGNS, **REFERENCES, "fastmoe": fastmoe}
     names = list(table) if names is None else list(names)
     unknown = [n for n in names if n not in table]
     if unknown:

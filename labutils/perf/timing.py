@@ -3,7 +3,8 @@
 * :func:`matmul_gflops` times ``(m, k) @ (k, n)`` and returns GFLOP/s: the roofline every MoE design is
   measured against (an MoE layer is, at best, its expert matmuls).
 * :func:`bench` times several callables *interleaved* (A B C A B C ...), so a noisy neighbour slows all of them
-  alike and their ratios stay meaningful; it keeps every repetition, and callers report the best and the median.
+  alike and their ratios stay meaningful; it keeps every repetition, and callers report the median and its IQR.
+* :func:`run_conditions` states how far a run can be trusted: load against cores, threads, clock, rounds.
 * :func:`peak_memory` is the most memory one call holds at once above what existed before it: CUDA's allocator
   statistics on a GPU, the profiler's allocation events on CPU.
 * :func:`machine_info` records where and when a result was measured (stored with every benchmark JSON).
@@ -20,9 +21,8 @@ import time
 
 import torch
 
-__all__ = ["sync", "clock", "bench", "fit_latency_bandwidth", "summarize", "save_result", "matmul_gflops",
-           "peak_memory", "machine_info",
-           "cpu_model", "clock_name"]
+__all__ = ["sync", "clock", "bench", "run_conditions", "describe_conditions", "MIN_ROUNDS", "fit_latency_bandwidth",
+           "summarize", "save_result", "matmul_gflops", "peak_memory", "machine_info", "cpu_model", "clock_name"]
 
 
 def sync(device) -> None:
@@ -31,29 +31,75 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(fns: dict, reps: int = 5, warmup: int = 1, device="cpu", budget_s: float | None = None) -> dict:
+def bench(fns: dict, reps: int = 5, warmup: int = 1, device="cpu", budget_s: float | None = None,
+          wall: dict | None = None) -> dict:
     """Time each ``fns[name]()`` ``reps`` times, interleaved; returns ``{name: [seconds, ...]}``.
 
     Wall clock, or the thread's CPU time when torch runs one CPU thread (see :func:`clock`).
 
-    ``budget_s`` stops early (after at least 2 rounds) once the timed rounds have used that many seconds.
+    ``budget_s`` stops early (after at least 2 rounds) once the timed rounds have used that many seconds of THE
+    clock (with one thread, CPU time: a loaded machine does not cut the rounds).
+    ``wall``: a dict to fill with the same calls' wall-clock times ``{name: [seconds, ...]}`` (with one thread,
+    wall minus CPU time is what a step spent waiting: sleeping, or preempted by other processes).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
+    walls = {name: [] for name in fns}
     now = clock(device)
-    start = time.perf_counter()
+    start = now()
     for rep in range(reps):
         for name, fn in fns.items():
             sync(device)
-            t0 = now()
+            w0, t0 = time.perf_counter(), now()
             fn()
             sync(device)
-            times[name].append(now() - t0)
-        if budget_s is not None and rep >= 1 and time.perf_counter() - start > budget_s:
+            t1, w1 = now(), time.perf_counter()
+            times[name].append(t1 - t0)
+            walls[name].append(w1 - w0)
+        if budget_s is not None and rep >= 1 and now() - start > budget_s:
             break
+    if wall is not None:
+        wall.update(walls)
     return times
+
+
+MIN_ROUNDS = 5  # fewer timed rounds than this and a median/IQR says little: such a run is flagged
+
+
+def run_conditions(rounds: int, min_rounds: int = MIN_ROUNDS, device="cpu") -> dict:
+    """How trustworthy a timed run is, stated with it: the load average against the cores, the torch threads,
+    the clock, the timed rounds against ``min_rounds``, and ``flags``: what makes the run doubtful
+    (``"overloaded"``: the 1-minute load exceeds the cores, so a wall-clock run shared them; ``"too few rounds"``).
+    With one thread the clock is CPU time, which other processes do not inflate: an overloaded machine is then
+    flagged but the timings still stand (see :func:`clock`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    flags = []
+    if load is not None and load > cores:
+        flags.append("overloaded")
+    if rounds < min_rounds:
+        flags.append("too few rounds")
+    return {"load_avg_1min": load, "cores": cores, "torch_threads": torch.get_num_threads(),
+            "clock": clock_name(device), "rounds": rounds, "min_rounds": min_rounds, "flags": flags,
+            "cpu_time": clock(device) is time.thread_time}
+
+
+def describe_conditions(cond: dict) -> str:
+    """One generated line: load, cores, threads, clock, rounds, and what is doubtful about the run."""
+    load = "unknown" if cond["load_avg_1min"] is None else f"{cond['load_avg_1min']:.2f}"
+    line = (f"load {load} on {cond['cores']} cores, {cond['torch_threads']} torch thread(s), {cond['clock']}, "
+            f"{cond['rounds']} timed rounds (minimum {cond['min_rounds']})")
+    if not cond["flags"]:
+        return line + ": conditions OK"
+    why = []
+    if "overloaded" in cond["flags"]:
+        why.append("OVERLOADED (load above the cores)" + ("; CPU time still stands" if cond["cpu_time"]
+                                                             else "; wall-clock times are inflated"))
+    if "too few rounds" in cond["flags"]:
+        why.append("TOO FEW ROUNDS for a median and IQR")
+    return line + ": " + "; ".join(why)
 
 
 def clock(device: str | torch.device = "cpu"):
