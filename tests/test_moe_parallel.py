@@ -23,8 +23,10 @@ def _build(kind, num_expert, world_size):
     return nn.Sequential(layer(), layer())
 
 
-def _parity(kind, num_expert, batches):
-    """Every rank: the sharded model on its own batch vs the full model on the global batch."""
+def _parity(kind, num_expert, batches, fault=None, relative=False):
+    """Every rank: the sharded model on its own batch vs the full model on the global batch. ``fault`` switches
+    on an expert-parallel gradient bug of issue 28 (the parity check must then fail). ``relative``: order-one
+    weights (fastmoe's init makes the gate's gradient tiny) and differences divided by the largest entry."""
     import torch
     import torch.distributed as dist
 
@@ -34,12 +36,20 @@ def _parity(kind, num_expert, batches):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     full = _build(kind, num_expert * world, 1)
+    if relative:
+        with torch.no_grad():
+            for p in full.parameters():
+                p.normal_(0, p.shape[-1] ** -0.5)
     x_all = torch.randn(sum(batches), D, requires_grad=True)
     y_full = full(x_all)
     (y_full ** 2).sum().backward()                       # the loss of the global batch
 
     part = _build(kind, num_expert, world)
     part.load_state_dict(shard_state(full.state_dict(), rank, num_expert))
+    if fault == "expert grads x W":
+        for n, p in part.named_parameters():
+            if "experts" in n:
+                p.register_hook(lambda g: g * world)
     lo, hi = sum(batches[:rank]), sum(batches[:rank + 1])
     x = x_all.detach()[lo:hi].clone().requires_grad_()
     with record_traffic(part) as log:
@@ -48,11 +58,18 @@ def _parity(kind, num_expert, batches):
     grads = {n: p.grad for n, p in part.named_parameters()}
     for n, _p in part.named_parameters():
         if "experts" not in n:                           # the gate is replicated: sum its gradient over ranks
-            dist.all_reduce(grads[n])
+            if fault != "router grad not reduced":
+                dist.all_reduce(grads[n])
+            if fault == "router grad reduced twice":
+                dist.all_reduce(grads[n])
     want = shard_state({n: p.grad for n, p in full.named_parameters()}, rank, num_expert)
-    diffs = {"output": (y - y_full[lo:hi]).abs().max().item(),
-             "input grad": (x.grad - x_all.grad[lo:hi]).abs().max().item()}
-    diffs.update({n: (grads[n] - want[n]).abs().max().item() for n in want})
+    def diff(a, b):                                      # a rank with no rows compares empty tensors: 0
+        if not a.numel():
+            return 0.0
+        return (a - b).abs().amax().item() / (max(b.abs().amax().item(), 1e-30) if relative else 1.0)
+
+    diffs = {"output": diff(y, y_full[lo:hi]), "input grad": diff(x.grad, x_all.grad[lo:hi])}
+    diffs.update({n: diff(grads[n], want[n]) for n in want})
 
     dest = torch.div(full[0].gate(x_all[lo:hi])[0], num_expert, rounding_mode="floor")  # (T, k) rank of each choice
     expected_rows = torch.bincount(dest.reshape(-1), minlength=world).tolist()
@@ -63,6 +80,7 @@ def _parity(kind, num_expert, batches):
     (2, "fused", 2, [5, 3]),
     (2, "list", 1, [4, 6]),
     (4, "fused", 1, [5, 1, 7, 3]),
+    (4, "fused", 1, [3, 0, 2, 4]),                                  # a rank with no tokens (chapter 06)
 ])
 def test_expert_parallel_equals_one_process(world, kind, num_expert, batches):
     # 4 ranks under DETAIL: PyTorch's cross-rank collective checks accept the uneven all-to-alls
@@ -212,6 +230,129 @@ def test_shard_state_slices_fused_and_renumbers_lists():
     assert got["experts.htoh4.weight"].view(-1).tolist() == [2.0, 3.0]
     assert got["experts.0.weight"].item() == 2.0 and got["experts.1.weight"].item() == 3.0
     assert "experts.2.weight" not in got and got["gate.gate.weight"] is state["gate.gate.weight"]
+
+
+BUGS = {"expert grads x W": "experts", "router grad not reduced": "gate", "router grad reduced twice": "gate"}
+
+
+def _parity_with_bugs():
+    return {fault: _parity("fused", 2, [5, 3], fault, True)[0] for fault in (None, *BUGS)}
+
+
+def test_parity_check_catches_expert_parallel_gradient_bugs():
+    """Issue 28's bug classes: each makes the W-workers = 1-process check fail (relative difference far above
+    1e-5) on the parameters it touches, and only there; the correct layer passes the same check."""
+    results = launch(_parity_with_bugs, 2, timeout=90)
+    flagged = {fault: {n for r in results for n, v in r[fault].items() if not v <= 1e-5} for fault in results[0]}
+    assert not flagged[None], f"the correct layer failed the parity check: {sorted(flagged[None])}"
+    for fault, group in BUGS.items():
+        assert flagged[fault], f"the parity check missed {fault!r}"
+        assert all(group in n for n in flagged[fault]), f"{fault!r} flagged other tensors: {sorted(flagged[fault])}"
+
+
+# --- bytes on the wire ------------------------------------------------------------------------------------------
+
+WIRE_FAULTS = ("extra padding all-to-all", "blocks padded to a fixed size", "rows sent twice", "extra all_reduce")
+
+
+def _wire(tokens):
+    """Every rank: the chapter's wire count of one exchange, as written and with each fault patched in."""
+    import torch
+    import torch.distributed as dist
+
+    from labutils.moe import FMoETransformerMLP, count_by_gate, expert_parallel
+    from labutils.moe.traffic import wire_bytes_of_call
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    real = expert_parallel.all_to_all
+
+    def extra_padding(x, *args, **kwargs):
+        pad = x.new_zeros(8 * world, x.shape[-1])
+        dist.all_to_all_single(torch.empty_like(pad), pad)
+        return real(x, *args, **kwargs)
+
+    def padded_blocks(x, out_splits, in_splits, group=None, check=True):
+        cap = 2 * tokens                                                      # the largest block there can be
+        send = torch.cat([torch.cat([b, b.new_zeros(cap - len(b), *b.shape[1:])]) for b in x.split(in_splits)])
+        got = real(send, [cap] * world, [cap] * world, group, check=check)
+        return torch.cat([b[:n] for b, n in zip(got.split(cap), out_splits)])
+
+    def twice(x, *args, **kwargs):
+        real(x, *args, **kwargs)
+        return real(x, *args, **kwargs)
+
+    def extra_all_reduce(x, *args, **kwargs):
+        dist.all_reduce(torch.ones(4))
+        return real(x, *args, **kwargs)
+
+    faults = dict(zip(WIRE_FAULTS, (extra_padding, padded_blocks, twice, extra_all_reduce)))
+    torch.manual_seed(0)
+    layer = FMoETransformerMLP(2, D, H, top_k=2, world_size=world)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(rank))
+    counts = count_by_gate(layer.gate(x)[0], 2, world)[1]
+    out = {"counts": counts, None: wire_bytes_of_call(layer, x, repeats=2)}
+    for name, fn in faults.items():
+        expert_parallel.all_to_all = fn
+        try:
+            out[name] = wire_bytes_of_call(layer, x, repeats=2)
+        finally:
+            expert_parallel.all_to_all = real
+    return out
+
+
+def test_the_wire_check_passes_the_exchange_and_fails_every_extra_exchange():
+    from labutils.moe import traffic as comm
+
+    results = launch(_wire, 4, 12, timeout=90)
+    matrix = comm.token_matrix(torch.stack([r["counts"] for r in results]), num_expert=2)
+    on_wire = comm.check_wire([r[None] for r in results], matrix, D * 4)      # the clean exchange passes
+    assert int(on_wire.sum()) == 2 * int(comm.minimum_bytes(matrix, D, 4).sum()) > 0
+    for fault in WIRE_FAULTS:
+        with pytest.raises(AssertionError, match="other bytes on the wire"):
+            comm.check_wire([r[fault] for r in results], matrix, D * 4)
+
+
+def _count_known_bytes():
+    import torch
+    import torch.distributed as dist
+
+    from labutils.wire import count_wire
+
+    world = dist.get_world_size()
+    counted = []
+    for rows in (0, 1, 100):                                                 # framing is the same for every size
+        dist.barrier()
+        with count_wire() as w:
+            dist.all_to_all_single(torch.empty(world * rows), torch.zeros(world * rows))
+            dist.barrier()
+        counted.append(w.sent)
+    return counted
+
+
+def test_count_wire_sees_exactly_the_payload_of_a_raw_collective():
+    for counted in launch(_count_known_bytes, 3, timeout=60):
+        assert counted[1] - counted[0] == 2 * 1 * 4                          # 1 float to each of 2 peers
+        assert counted[2] - counted[0] == 2 * 100 * 4
+
+
+def test_two_minimums_and_deepspeed_without_drops():
+    from labutils.moe import traffic as comm
+
+    # rank 0: token 0 -> experts 2, 3 (both on rank 1: one trip deduplicated), token 1 -> experts 0, 2
+    gate_idx = [torch.tensor([[2, 3], [0, 2]]), torch.tensor([[0, 1], [3, -1]])]
+    counts = torch.stack([torch.bincount(g[g >= 0], minlength=4) for g in gate_idx])
+    m = comm.token_matrix(counts, num_expert=2)
+    assert comm.minimum_bytes(m, 1, 1).tolist() == [3, 2]                  # one row per choice
+    assert comm.dedup_minimum_bytes(gate_idx, 2, 1, 1).tolist() == [2, 1]  # one row per (token, remote rank)
+    assert comm.deepspeed_dropless_capacity(counts) == 2
+    use = comm.capacity_use(counts, 1)
+    assert (use["kept"] + use["dropped"]).tolist() == use["routed"].tolist() == counts.sum(0).tolist()
+    assert (use["kept"] + use["padding"]).tolist() == [2, 2, 2, 2]
+    sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+    logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    _, _, dispatch, exp_counts = sharded_moe.top2gating(logits, 1.0, 4, drop_tokens=False,
+                                                        top2_2nd_expert_sampling=False)
+    assert dispatch.shape[-1] == comm.deepspeed_dropless_capacity(exp_counts.view(1, -1)) == int(exp_counts.max())
 
 
 def test_comm_accounting():
