@@ -1,4 +1,6 @@
-"""Chapter 05's study at full size: MoE against dense (and dense-wide) on the stdlib, 3 seeds, plus ablations.
+"""Chapter 05's study at full size: MoE against dense (and dense-wide) on the stdlib, 3 seeds, ablations on every
+seed, and the data-limited control (the same models on ``control_chars`` training characters, under the record's
+``data_limited`` key).
 
     .venv/bin/python benchmarks/moe_vs_dense.py                 # full preset, 2 processes -> moe_vs_dense_full.json
     .venv/bin/python benchmarks/moe_vs_dense.py --preset tiny   # the chapter's CI-sized run (under a minute)
@@ -7,11 +9,14 @@
 Each run uses one torch thread; ``--jobs`` runs go side by side (2 on the book's 2-core machine), so the
 wall-clock axis is CPU seconds of one core shared with one other run. The verdict lines are computed from the
 record by ``labutils.lm_study.summarize``; chapter 05 shows the recorded figure and verdict when present.
+The record is written to a ``.partial.json`` file and moved over the committed one only when every run has
+finished, so an interrupted study never replaces a complete record.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -27,15 +32,26 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(lm_study.PRESETS), default="full")
     ap.add_argument("--jobs", type=int, default=2, help="runs side by side, one torch thread each")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the recorded JSON")
+    ap.add_argument("--no-control", action="store_true", help="skip the data-limited control")
     args = ap.parse_args()
     out = ROOT / "benchmarks" / "results" / f"moe_vs_dense_{args.preset}.json"
     if args.plot_only:
         record = json.loads(out.read_text())
     else:
-        record = lm_study.run_study(lm_study.PRESETS[args.preset], jobs=args.jobs)
+        cfg = lm_study.PRESETS[args.preset]
+        record = lm_study.run_study(cfg, jobs=args.jobs)
+        if not args.no_control:
+            record["data_limited"] = lm_study.run_study(lm_study.data_limited(cfg), jobs=args.jobs)
         record["machine"] = machine_info()
-        print("wrote", save_result(record, out, ROOT))
+        partial = out.with_suffix(".partial.json")
+        save_result(record, partial, ROOT)
+        os.replace(partial, out)  # only a finished study replaces the record
+        print("wrote", out.relative_to(ROOT))
     print("\n".join(lm_study.verdict_lines(lm_study.summarize(record))))
+    print("\n".join(lm_study.ablation_lines(record)))
+    if "data_limited" in record:
+        print("data-limited control:")
+        print("\n".join(lm_study.verdict_lines(lm_study.summarize(record["data_limited"]))))
     fig = lm_study.plot_study(record)
     fig.savefig(out.with_suffix(".png"), dpi=90, bbox_inches="tight")
     print("wrote", out.with_suffix(".png").relative_to(ROOT))

@@ -1,5 +1,6 @@
 """Chapter 05's study: the split by file, fair variants, the verdict arithmetic and a real (tiny) run."""
 import dataclasses
+import hashlib
 
 import pytest
 import torch
@@ -131,6 +132,23 @@ def test_shared_windows_finds_a_leaked_file_and_not_a_clean_split():
     assert covered[1000:2000].all() and not covered[:1000].any() and not covered[2000:].any()
     with pytest.raises(ValueError, match="width=64"):
         lm_study.shared_windows(train, val[:10], 64)
+
+
+def test_file_coverage_names_the_validation_file_copied_from_training(tmp_path):
+    body = "def f(x):\n    return sorted(set(x), key=len)  # long enough to share\n" * 3
+    texts = {f"m{i}.py": hashlib.sha256(str(i).encode()).hexdigest() + "\n" for i in range(40)}  # unrelated
+    texts["twin_a.py"] = texts["twin_b.py"] = body            # the same text under two names
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    one_in = next(n for n in range(2, 200) if is_validation_file("twin_a.py", n) != is_validation_file("twin_b.py", n)
+                  and any(is_validation_file(f, n) for f in texts if not f.startswith("twin")))
+    corpus = stdlib_file_corpus(one_in, root=str(tmp_path))
+    val_files = [f for f in sorted(texts) if is_validation_file(f, one_in)]
+    cov = lm_study.file_coverage(corpus, lm_study.shared_windows(corpus.train, corpus.val, 16), val_files)
+    twin = next(f for f in val_files if f.startswith("twin"))
+    assert cov[twin][1] > 0.8 and all(v < 0.5 for f, (_, v) in cov.items() if f != twin)
+    with pytest.raises(ValueError, match="not in the validation text"):
+        lm_study.file_coverage(corpus, torch.zeros(len(corpus.val), dtype=torch.bool), ["nowhere.py"])
 
 
 def test_window_coverage_replays_the_run_and_matches_the_poisson_share():
