@@ -443,6 +443,7 @@ def seed_bootstrap(a_runs: list, b_runs: list, fn, *, n_boot: int = 2000, seed: 
     None, of ``pairs``."""
     values = stats.all_pairs(a_runs, b_runs, fn)
     out = {"values": values, "pairs": len(a_runs) * len(b_runs), "reached": len(values),
+           "seeds": (len(a_runs), len(b_runs)),
            "mean": statistics.fmean(values) if values else None, "ci": None}
     if len(values) == out["pairs"] and len(a_runs) > 1 and len(b_runs) > 1:
         import random
@@ -502,7 +503,7 @@ def summarize(record: dict, target_speedup: float = 1.3) -> dict:
 def target_met(boot: dict, target: float) -> bool:
     """"Target met" only when every seed pair reached the loss, each arm has 3 seeds or more (the rule of
     ``stats``' verdicts) and the bootstrap interval's lower bound clears ``target``."""
-    return bool(boot["ci"] is not None and boot["reached"] == boot["pairs"] and boot["pairs"] >= 9
+    return bool(boot["ci"] is not None and boot["reached"] == boot["pairs"] and min(boot["seeds"]) >= 3
                 and stats.clears(boot["ci"], target))
 
 

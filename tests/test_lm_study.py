@@ -78,6 +78,9 @@ def test_two_seeds_are_inconclusive_whatever_the_means_and_never_meet_a_target()
     two = lm_study.summarize(fake_record({"dense": [2.0, 2.01], "MoE": [1.5, 1.51], "dense-wide": [1.4, 1.41]}))
     assert two["moe_vs_dense"].verdict == two["wide_vs_dense"].verdict == "inconclusive"
     assert not lm_study.target_met(two["speedup"], 1.0)     # 4 pairs: fewer than 3 seeds per arm
+    lopsided = lm_study.summarize(fake_record({"dense": [2.0, 2.01, 1.99, 2.0, 2.01], "MoE": [1.5, 1.51],
+                                               "dense-wide": [1.4, 1.41, 1.39]}))
+    assert lopsided["speedup"]["pairs"] == 10 and not lm_study.target_met(lopsided["speedup"], 1.0)  # MoE: 2
     lines = "\n".join(lm_study.verdict_lines(two))
     assert "inconclusive (fewer than 3 seeds in an arm)" in lines and "NOT shown" in lines
     # negative control: the same gaps with 3 seeds per arm do clear
