@@ -21,7 +21,7 @@ Channels between the parent, the zygote and the ranks:
 | ``TMPDIR/error_R.pkl`` | rank -> parent | ``{time, summary, traceback}`` of an exception or ``SystemExit`` |
 | ``TMPDIR/stack_R.txt`` | rank -> parent | faulthandler stacks, written when the parent sends SIGUSR1 at a timeout |
 | ``TMPDIR/calls.bin`` | ranks -> parent | shared memory, a 128-byte slot per rank: the collective it is in now |
-| PDEATHSIG | kernel | a rank gets SIGKILL when the zygote dies; the zygote SIGTERM when the caller dies |
+| PDEATHSIG | kernel | a rank gets SIGKILL when the zygote dies; the zygote SIGUSR2 when the caller dies |
 
 The collective watch: each rank's ``torch.distributed`` collectives (all_reduce, all_gather, broadcast, barrier,
 ...; not send/recv) are wrapped to write ``(call number, inside?, start time, default group?, "name(shapes)")``
@@ -55,6 +55,7 @@ from datetime import timedelta
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 CALL_SLOT = struct.Struct("<qqdq96s")  # call number, inside (0/1), start (monotonic s), default group (0/1), text
 SLOT_BYTES = 128
+CALLER_GONE = signal.SIGUSR2  # the zygote's PDEATHSIG (SIGTERM is the caller's stop())
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -333,18 +334,26 @@ def main() -> None:
     cfg = json.loads(sys.argv[-1])
     zygote = os.getpid()
 
-    def caller_died(*_):  # SIGTERM on the caller's death (PDEATHSIG) or from the caller's stop()
+    def stop(signum=None, _frame=None):
+        """SIGTERM: the caller's stop(); CALLER_GONE: the caller's thread that started us died (PDEATHSIG)."""
         if os.getpid() != zygote:  # a rank forked before it reset the handler: just die
             os._exit(1)
         kill_tree(zygote)
         _reap(2.0)
-        if os.getppid() != cfg["parent_pid"]:  # the caller is gone and cannot clean up: do it here
-            shutil.rmtree(cfg["tmpdir"], ignore_errors=True)
+        if signum != signal.SIGTERM:
+            # The signal comes when the caller's *thread* exits: when its whole process is gone we are handed
+            # to another parent. Then nobody else removes the launch directory: do it here.
+            deadline = time.monotonic() + 5.0
+            while os.getppid() == cfg["parent_pid"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if os.getppid() != cfg["parent_pid"]:
+                shutil.rmtree(cfg["tmpdir"], ignore_errors=True)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, caller_died)
+    for sig in (signal.SIGTERM, CALLER_GONE):
+        signal.signal(sig, stop)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the ranks (new sessions included) stay below the zygote
-    die_with_parent(cfg["parent_pid"], signal.SIGTERM, on_death=lambda: caller_died())
+    die_with_parent(cfg["parent_pid"], CALLER_GONE, on_death=stop)
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401  (imported once, shared by every forked rank)
     import torch.distributed  # noqa: F401
@@ -353,7 +362,8 @@ def main() -> None:
     for rank in range(cfg["world_size"]):
         pid = os.fork()
         if pid == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for sig in (signal.SIGTERM, CALLER_GONE):
+                signal.signal(sig, signal.SIG_DFL)
             run_rank(rank, cfg)  # never returns
         pids[pid] = rank
         print(f"pid {rank} {pid}", flush=True)

@@ -584,7 +584,6 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
     own = {name: value for name, value, default in (("backend", backend, "auto"), ("timeout", timeout, None),
                                                     ("threads", threads, None), ("env", env, None),
                                                     ("debug", debug, False)) if value != default}
-    _check_call(fn, world_size, args, kwargs, own)
     timeout = _check_arguments(world_size, timeout, threads, env, args, kwargs)
     if not isinstance(debug, bool):
         raise TypeError(f"debug must be True or False, got {debug!r}")
@@ -597,6 +596,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
         if not torch.cuda.is_available():
             raise RuntimeError("backend='nccl' needs CUDA GPUs; none is available here (use backend='gloo')")
     payload = _payload(fn, args, kwargs)
+    _check_call(fn, world_size, args, kwargs, own)
     run = _Run(world_size, backend, timeout, threads, env, debug)
     try:
         run.start(payload)

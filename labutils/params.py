@@ -65,6 +65,13 @@ class ParamCounts:
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> ParamCounts:
     """Count ``model``'s parameters by category (see :func:`categorize`). Meta-device safe."""
+    if not isinstance(model, nn.Module):
+        hint = (" (a state_dict? it has no modules to categorise: build the model, e.g. on the meta device, "
+                "load_state_dict into it and count that; or sum(t.numel() for t in sd.values()) for the total)"
+                if isinstance(model, dict) else "")
+        raise TypeError(f"count_params(model): model must be a torch.nn.Module, got {type(model).__name__}{hint}")
+    if not isinstance(trainable_only, bool):
+        raise TypeError(f"count_params(trainable_only=...): must be True or False, got {trainable_only!r}")
     counts = {c: 0 for c in CATEGORIES}
     by_name = {}
     seen = set()

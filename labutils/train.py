@@ -199,13 +199,24 @@ def _load_failure(path: str, exc: Exception) -> str:
     if size == 0:
         return "the file is empty (0 bytes): a save or a copy that was interrupted"
     if isinstance(exc, pickle.UnpicklingError):
-        detail = re.search(r"(Unsupported [^\n]+)", str(exc))
-        return (f"{size} bytes that are not tensors and plain containers "
-                f"({detail.group(1).strip() if detail else type(exc).__name__}); labutils only loads "
-                "checkpoints that cannot run code, so this file was not written by labutils.train")
+        return (f"{size} bytes that are not tensors and plain containers ({_refused(str(exc))}); labutils "
+                "only loads checkpoints that cannot run code, so this file was not written by labutils.train")
     if isinstance(exc, RuntimeError) and "zip archive" in str(exc):
         return f"{size} bytes that are not a complete torch.save archive: the file is truncated or corrupted"
     return f"{size} bytes that torch.load cannot read ({type(exc).__name__}: {exc}): not a torch.save file"
+
+
+def _refused(message: str) -> str:
+    """What torch's weights-only unpickler refused, from its message: the global (a function or class the file
+    would call or build, e.g. ``posix.system``) when it names one, else its own first line, without torch's advice
+    to lift the restriction."""
+    name = re.search(r"GLOBAL ([\w.]+)", message)
+    if name:
+        return f"it refers to the global {name.group(1)}, which loading would import and call"
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    reason = next((ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))
+                   and "weights_only" not in ln), None)
+    return reason.split(". Please use")[0] if reason else "a pickle the weights-only loader refuses"
 
 
 def _class_name(obj) -> str:
