@@ -8,8 +8,21 @@ step from the update (``center=True``); DeepSeek-V3's paper does not.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
+
+
+def check_expert_bias(bias: torch.Tensor, name: str = "expert_bias") -> None:
+    """Raise when the ``(E,)`` selection bias holds a NaN or an infinity: a NaN wins every top-k selection (and
+    -inf loses every one), so every token would go to the same experts while training carries on."""
+    bad = (~torch.isfinite(bias)).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"{name} holds {bias[bad].tolist()} at expert(s) {bad.tolist()}: every entry must be "
+                         "finite (a NaN bias sends every token to the same experts); reset it "
+                         "(expert_bias.zero_()) and check bias_rate and the tokens_per_expert counts")
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float, center: bool = True) -> torch.Tensor:
@@ -17,6 +30,11 @@ def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float, center: b
     if bias.shape != counts.shape or bias.dim() != 1:
         raise ValueError(f"bias and counts must both be (num_experts,), got {tuple(bias.shape)} and "
                          f"{tuple(counts.shape)}")
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"rate (the bias step gamma) must be a finite number >= 0, got {rate!r}")
+    check_expert_bias(bias, "bias")
+    if not bool(torch.isfinite(counts.float()).all()):
+        raise ValueError(f"counts must be finite per-expert choice counts, got {counts.tolist()}")
     counts = counts.float()
     delta = rate * torch.sign(counts.mean() - counts)                  # (E,) +rate if underloaded
     if center:
@@ -31,8 +49,9 @@ def update_expert_bias(model: nn.Module, center: bool = True) -> int:
     from .routers import TopKRouter
     n = 0
     with torch.no_grad():
-        for m in model.modules():
+        for name, m in model.named_modules():
             if isinstance(m, TopKRouter) and m.expert_bias is not None and m.bias_rate is not None:
+                check_expert_bias(m.expert_bias, f"{name or type(model).__name__}.expert_bias")
                 if m.tokens_per_expert.sum() > 0:
                     m.expert_bias.copy_(bias_update(m.expert_bias, m.tokens_per_expert, m.bias_rate, center))
                 m.tokens_per_expert.zero_()

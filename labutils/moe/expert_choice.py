@@ -13,14 +13,16 @@ one token at a time, the routing is not the one it was trained with.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
     """``C = ceil(T * capacity_factor / E)``, at least 1 and at most ``T``."""
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
     return max(1, min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts)))
 
 
@@ -30,6 +32,11 @@ def expert_choice_route(scores: torch.Tensor, capacity: int):
     if scores.dim() != 2:
         raise ValueError(f"expert_choice_route needs scores (tokens, experts), got {tuple(scores.shape)}")
     T = scores.shape[0]
+    bad = (~torch.isfinite(scores)).any(1).nonzero().flatten()                              # tokens with NaN/inf
+    if bad.numel():  # a NaN sorts above every score: that token would take a slot at every expert
+        raise ValueError(f"expert_choice_route: scores of token(s) {bad[:10].tolist()} (of {T}) are NaN or "
+                         "infinite (a NaN in the router input x?); every score must be finite, or that token "
+                         "takes the first slot of every expert")
     if not 1 <= capacity <= T:
         raise ValueError(f"capacity={capacity} must be between 1 and the number of tokens {T}")
     order = torch.sort(scores.t(), dim=1, descending=True, stable=True).indices[:, :capacity]  # (E, C)

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from .aux_free import check_expert_bias
 from .expert_choice import expert_capacity, expert_choice_route
 from .grouped_experts import RoutedExperts
 from .router_losses import z_loss
@@ -72,6 +73,8 @@ class ModernMoE(nn.Module):
             served = torch.zeros(T, dtype=torch.bool, device=x.device).index_fill_(0, tok.reshape(-1), True)
             experts = torch.arange(E, device=x.device).repeat_interleave(tok.shape[1])
             return experts, tok.reshape(-1), gates.reshape(-1), 1 - served.float().mean().item()
+        if self.router.expert_bias is not None:
+            check_expert_bias(self.router.expert_bias, "ModernMoE.router.expert_bias")
         idx, w, _ = self.router(x, seq_len)                                # (T, k) x2
         tokens = torch.arange(T, device=x.device).repeat_interleave(self.top_k)
         if self.capacity_factor is None:
