@@ -160,9 +160,10 @@ def notebook_globals():
     cases, and section 3's recorded ``received`` buffer; a student reading them in a later cell."""
     real_buffers = {}
     for settings in ch02.DISPATCH_VISIBLE:
-        case, buffer = ch02.real_dispatch(*settings)
-        real_buffers[_key(case[0])] = buffer
-    received = [ch02.real_dispatch(2, 12, 16, 4, 1, 1.0)[1][None]]
+        case, layer = ch02.real_dispatch(*settings)
+        real_buffers[_key(case[0])] = ch02.experts_input(layer, case[0])
+    case, layer = ch02.real_dispatch(2, 12, 16, 4, 1, 1.0)
+    received = [ch02.experts_input(layer, case[0])[None]]
     return real_buffers, received
 
 

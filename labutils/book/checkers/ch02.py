@@ -148,9 +148,9 @@ DISPATCH_VISIBLE = ((0, 24, 16, 4, 1, 1.0), (1, 24, 16, 4, 1, 0.5), (2, 24, 16, 
 
 
 def real_dispatch(seed: int, tokens: int, d: int, experts: int, k: int, cf: float) -> tuple:
-    """Run a real ``MoE`` layer (seeded router, sampling off) on seeded tokens and record what its experts receive.
-    Returns ``(x (S, d), indices (k, S), locations (k, S), E, C)`` (the gate's sparse routes, int64, -1 = dropped)
-    and the ``(E, C, d)`` buffer the experts got."""
+    """A real ``MoE`` layer (seeded router, sampling off) and seeded tokens. Returns the case
+    ``(x (S, d), indices (k, S), locations (k, S), E, C)`` (the gate's sparse routes, int64, -1 = dropped) and the
+    layer, whose experts' input :func:`experts_input` records."""
     from ...ds.runtime import init_deepspeed, quiet
 
     init_deepspeed()
@@ -161,16 +161,21 @@ def real_dispatch(seed: int, tokens: int, d: int, experts: int, k: int, cf: floa
         layer = MoE(d, torch.nn.Linear(d, d), num_experts=experts, k=k, capacity_factor=cf, min_capacity=0,
                     use_rts=False, top2_2nd_expert_sampling=False)
     x = torch.randn(tokens, d)                                                # (S, d)
+    with torch.no_grad():
+        _, capacity, n_exp, indices, locations, _, _ = layer.deepspeed_moe.gate(x, None, True)
+    return (x, indices.long(), locations.long(), int(n_exp), int(capacity)), layer
+
+
+def experts_input(layer, x: torch.Tensor) -> torch.Tensor:
+    """Run ``layer`` on ``x`` and return the ``(E, C, d)`` buffer its experts received (a forward pre-hook)."""
     seen = []
     hook = layer.deepspeed_moe.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].detach()))
     try:
         with torch.no_grad():
             layer(x)
-            _, capacity, n_exp, indices, locations, _, _ = layer.deepspeed_moe.gate(x, None, True)
     finally:
         hook.remove()
-    case = (x, indices.long(), locations.long(), int(n_exp), int(capacity))
-    return case, seen[0]                                                      # (E, C, d)
+    return seen[0]                                                            # (E, C, d)
 
 
 def dispatch_case(gen: torch.Generator, i: int) -> tuple:
@@ -185,14 +190,15 @@ def dispatch_case(gen: torch.Generator, i: int) -> tuple:
 
 def check_my_dispatch(fn, seed=None, n_hidden: int = 6):
     """``fn(x, indices, locations, E, C)`` -> the ``(E, C, d)`` buffer, compared with the buffer a real DeepSpeed
-    ``MoE`` layer's experts received on the same tokens (k = 1 and 2, with and without drops)."""
-    buffers = {}                                                              # id(x) -> the recorded buffer
+    ``MoE`` layer's experts receive on the same tokens (k = 1 and 2, with and without drops). The buffer is
+    recorded only when the reference runs: the checker holds layers, which the student may not call, not answers."""
+    layers = {}                                                               # id(x) -> its real MoE layer
 
     def build(settings):
-        case, buffer = real_dispatch(*settings)
-        buffers[id(case[0])] = buffer
+        case, layer = real_dispatch(*settings)
+        layers[id(case[0])] = layer
         return case
 
     visible = [build(s) for s in DISPATCH_VISIBLE]
-    check_exercise("dispatch buffer", fn, lambda x, *rest: buffers[id(x)], *visible,
+    check_exercise("dispatch buffer", fn, lambda x, *rest: experts_input(layers[id(x)], x), *visible,
                    hidden=lambda gen, i: build(dispatch_case(gen, i)), n_hidden=n_hidden, seed=seed)
