@@ -214,7 +214,7 @@ def _watch_collectives(rank: int, cfg: dict) -> None:
     finally:
         os.close(fd)
     space: dict = {}
-    lines = _WATCH_SOURCE.splitlines(keepends=True)
+    lines = [str(line) for line in _WATCH_SOURCE.splitlines(keepends=True)]
     linecache.cache[_WATCH_FILE] = (len(_WATCH_SOURCE), None, lines, _WATCH_FILE)
     exec(compile(_WATCH_SOURCE, _WATCH_FILE, "exec"), space)  # noqa: S102 (our own constant source)
     space["watch"](dist, WATCHED, buf, SLOT_BYTES * rank, CALL_SLOT)

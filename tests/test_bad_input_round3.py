@@ -92,6 +92,7 @@ def test_expert_capacity_factor_must_be_finite_and_positive(factor):
 def test_nan_expert_bias_is_refused_in_the_forward_and_in_the_update():
     torch.manual_seed(0)
     layer = ModernMoE(D, 16, 4, top_k=2, bias_rate=1e-3)
+    assert layer.router.expert_bias is not None
     layer.router.expert_bias[2] = float("nan")
     with pytest.raises(ValueError, match=r"expert_bias holds \[nan\] at expert\(s\) \[2\]: every entry must be "
                                          r"finite"):
@@ -114,6 +115,7 @@ def test_a_non_finite_bias_rate_is_refused_before_it_writes_the_bias():
         for _ in range(2):
             layer(torch.randn(10, D)).pow(2).mean().backward()
             opt.step()
+    assert layer.router.expert_bias is not None
     assert torch.isfinite(layer.router.expert_bias).all(), "the bad update is refused before it is written"
 
 
@@ -128,6 +130,7 @@ def test_mask_value_missing_from_mask_dict_is_refused():
     with pytest.raises(ValueError, match=r"mask holds value\(s\) \[3\] that mask_dict has no entry for "
                                          r"\(its keys: \[1, 2\]\)"):
         layer(torch.randn(6, D))
+    assert layer.mask_dict is not None
     layer.mask_dict[3] = torch.full((D,), 3.0)
     y = layer(torch.randn(6, D))                                     # (6, D)
     assert bool((y[5] != 0).all()), "a row marked 3 now takes mask_dict[3], not zeros"

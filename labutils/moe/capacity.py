@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ class CapacityFactors:
 
     def __set_name__(self, owner, name):
         self.slot = "_" + name
+
+    @overload
+    def __get__(self, gate: None, owner=None) -> CapacityFactors: ...
+
+    @overload
+    def __get__(self, gate: object, owner=None) -> tuple[float, float]: ...
 
     def __get__(self, gate, owner=None):
         return self if gate is None else gate.__dict__[self.slot]
