@@ -21,6 +21,7 @@ import math
 import statistics
 import time
 from copy import deepcopy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -203,9 +204,9 @@ def replicate_device_ids():
     from torch.distributed._composable.replicate import replicate
 
     out = {}
-    for label, kwargs in (("default", {}), ("device_id=cpu", {"device_id": torch.device("cpu")})):
+    for label, device_id in (("default", None), ("device_id=cpu", torch.device("cpu"))):
         m = Net()
-        replicate(m, **kwargs)
+        replicate(m) if device_id is None else replicate(m, device_id=device_id)
         m(torch.randn(2, 2))  # the DDP instance is built lazily, at the first forward
         ddp = replicate.state(m)._ddp_weakref()  # private API: a weak reference to the DDP behind the hooks
         out[label] = {"alive": ddp is not None, "device_ids": None if ddp is None else ddp.device_ids,
@@ -336,7 +337,9 @@ def solo_mesh():
     from torch.distributed.device_mesh import DeviceMesh
 
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    return DeviceMesh.from_group(groups[dist.get_rank()], "cpu")
+    mine = groups[dist.get_rank()]
+    assert isinstance(mine, dist.ProcessGroup), mine  # this rank is a member of its own group
+    return DeviceMesh.from_group(mine, "cpu")
 
 
 def _try(fn):
@@ -360,10 +363,11 @@ def gloo_features(mesh):
         lin = nn.Linear(3, 2 * world + 1)  # 2W+1 output rows over W ranks: unequal shards
         whole = lin.weight.detach().clone()
         fully_shard(lin, mesh=mesh)
-        sizes = [None] * world
-        dist.all_gather_object(sizes, lin.weight.to_local().shape[0])
+        shard: Any = lin.weight  # a DTensor now
+        sizes: list = [None] * world
+        dist.all_gather_object(sizes, shard.to_local().shape[0])
         assert sum(sizes) == whole.shape[0] and len(set(sizes)) > 1, sizes
-        assert torch.equal(lin.weight.full_tensor(), whole)
+        assert torch.equal(shard.full_tensor(), whole)
         return f"rows per rank {sizes} of {whole.shape[0]}; full_tensor() == the unsharded weight"
 
     def bf16_collectives():
@@ -385,7 +389,7 @@ def gloo_features(mesh):
 
     def mixed_precision():
         torch.manual_seed(0)
-        m = fully_shard(SimpleMLP(), mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        m: Any = fully_shard(SimpleMLP(), mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         y = m(torch.randn(4, 50))
         y.float().sum().backward()
         kinds = {(str(p.dtype), str(p.grad.dtype)) for p in m.parameters()}

@@ -47,7 +47,8 @@ def deepspeed_partition_uniform(x, rank, world, dim):  # DeepSpeed's sibling: th
 
 def distributed_sampler(x, rank, world, dim):  # DistributedSampler's rule: interleaved, padded by repetition
     from torch.utils.data import DistributedSampler
-    idx = list(DistributedSampler(range(x.shape[dim]), num_replicas=world, rank=rank, shuffle=False))
+    rows = list(range(x.shape[dim]))
+    idx = list(DistributedSampler(rows, num_replicas=world, rank=rank, shuffle=False))  # pyright: ignore[reportArgumentType]
     return x.index_select(dim, torch.tensor(idx, dtype=torch.long))
 
 
