@@ -27,7 +27,7 @@ def all_gather_backward_reference(upstream, sizes, rank, mode):
     xs = [torch.zeros(n, upstream[0].shape[1], dtype=upstream[0].dtype, requires_grad=True) for n in sizes]
     gathered = torch.cat(xs)                                                   # (sum(sizes), d)
     used = upstream if mode == "sum" else [upstream[rank]]
-    sum((g * gathered).sum() for g in used).backward()
+    torch.stack([(g * gathered).sum() for g in used]).sum().backward()
     return xs[rank].grad
 
 
