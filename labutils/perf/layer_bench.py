@@ -251,10 +251,14 @@ def row_stats(times: list, reference: list, share: float, tokens: int, faults: l
                 faults_mb_per_step=fault_mb)
 
 
+def round_ratios(a: dict, b: dict) -> list:
+    """Per round, a's kept tokens/s over b's (rows ``a`` and ``b`` of one run): above 1, ``a`` is faster."""
+    return [(a["share"] / ta) / (b["share"] / tb) for ta, tb in zip(a["times_ms"], b["times_ms"])]
+
+
 def paired_speedup(a: dict, b: dict) -> tuple:
     """Median and IQR over rounds of (a's kept tokens/s / b's kept tokens/s): above 1, ``a`` is faster."""
-    ratios = [(a["share"] / ta) / (b["share"] / tb) for ta, tb in zip(a["times_ms"], b["times_ms"])]
-    q1, med, q3 = quartiles(ratios)
+    q1, med, q3 = quartiles(round_ratios(a, b))
     return med, (q1, q3)
 
 
@@ -263,8 +267,7 @@ def pooled_speedup(results: list, a: str, b: str) -> tuple:
     pooled: ``(median, (q1, q3), rounds)``. Each round's ratio is still taken within its own round."""
     ratios = []
     for result in results:
-        ra, rb = find_row(result, a), find_row(result, b)
-        ratios += [(ra["share"] / ta) / (rb["share"] / tb) for ta, tb in zip(ra["times_ms"], rb["times_ms"])]
+        ratios += round_ratios(find_row(result, a), find_row(result, b))
     if not ratios:
         raise ValueError("pooled_speedup needs at least one run with timed rounds")
     q1, med, q3 = quartiles(ratios)

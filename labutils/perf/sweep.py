@@ -284,22 +284,31 @@ def core_breakdown(p, reps: int = 3, core=None, check: bool = True) -> dict:
     res["unprofiled_iqr_pct"] = 100 * (q3 - q1) / med
     o1, omed, o3 = quartiles([pr / pl - 1.0 for pr, pl in zip(profiled, plain)])
     res["profiler_overhead"], res["overhead_iqr"] = omed, (o1, o3)
+    res["profiled_clock_s"] = quartiles(profiled)[1]  # the profiled step on THE clock (CPU time on one thread)
     res["reps"] = reps
     res["conditions"] = run_conditions(reps)
     return res
 
 
-def judge_overhead(b: dict, limit: float = 0.5) -> dict:
+def judge_overhead(b: dict, limit: float = 0.5, preempted: float = 1.5) -> dict:
     """Do a breakdown's shares describe the unprofiled layer? From its LIVE overhead (median and IQR over rounds,
     see :func:`core_breakdown`): ``"ok"`` when the whole IQR is at or below ``limit``, ``"too high"`` when the
     whole IQR is above it (the shares of short phases are inflated: a check must fail), ``"too noisy"`` when the
-    IQR straddles the limit or the run had too few rounds (say so; do not claim either). Returns
-    ``{"call", "sentence"}``, the sentence generated from the numbers."""
+    IQR straddles the limit or the run had too few rounds (say so; do not claim either). Also ``"too noisy"``
+    when the profiler's spans (wall clock) add up to more than ``preempted`` times the profiled step's time on
+    THE clock (CPU time on one thread): other processes paused the step, and the pauses landed in whichever
+    phase they hit. Returns ``{"call", "sentence"}``, the sentence generated from the numbers."""
     lo, hi = b.get("overhead_iqr", (b["profiler_overhead"], b["profiler_overhead"]))
     med, reps = b["profiler_overhead"], b.get("reps", 0)
     what = f"profiler overhead {med:.0%} (IQR {lo:.0%} to {hi:.0%} over {reps} rounds, limit {limit:.0%})"
     if reps < 3:
         return {"call": "too noisy", "sentence": f"{what}: too few rounds to judge"}
+    on_clock = b.get("profiled_clock_s") or b.get("unprofiled_s", 0.0) * (1.0 + med)  # older records: from overhead
+    stretch = b["profiled_s"] / on_clock if on_clock and "profiled_s" in b else 1.0
+    if stretch > preempted:
+        return {"call": "too noisy", "sentence": f"{what}; but the profiler's wall-clock spans add up to "
+                                                 f"{stretch:.1f}x the step on THE clock: other processes preempted "
+                                                 "it, so the shares are distorted and not judged"}
     if hi <= limit:
         return {"call": "ok", "sentence": f"{what}: the shares describe the unprofiled layer"}
     if lo > limit:
