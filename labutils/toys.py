@@ -812,6 +812,28 @@ def dp_costs(d=8, h=16, rows=32, tokens=8, rounds=5, steps=5, warmup=2, modes=CO
         dist.all_reduce(torch.zeros(pad))  # an extra exchange nobody asked for
     out["control"] = {"mode": modes[0], "plain": plain.sent, "padded": padded.sent,
                       "pad_minimum": 2 * (world - 1) * pad * 4 / world}
+    out["collectives"] = collective_bytes(pad)
+    return out
+
+
+def collective_bytes(numel=4096):
+    """Bytes this rank sends for one all-reduce, all-gather and reduce-scatter of a ``numel``-float32 tensor (the
+    whole tensor, as FSDP sees a layer's parameter), counted on the wire, next to a ring algorithm's minimum."""
+    from .wire import count_wire
+
+    world = dist.get_world_size()
+    numel -= numel % world
+    calls = {"all_reduce": (lambda: dist.all_reduce(torch.zeros(numel)), 2 * (world - 1) / world),
+             "all_gather": (lambda: dist.all_gather_into_tensor(torch.empty(numel), torch.zeros(numel // world)),
+                            (world - 1) / world),
+             "reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(numel // world), torch.zeros(numel)),
+                                (world - 1) / world)}
+    out = {"tensor bytes": numel * 4}
+    for name, (call, share) in calls.items():
+        dist.barrier()
+        with count_wire() as wire:
+            call()
+        out[name] = {"sent": wire.sent, "ring minimum": share * numel * 4}
     return out
 
 
