@@ -156,16 +156,17 @@ _WATCH_FILE = "<launch collective watch>"
 _WATCH_SOURCE = """
 import functools, time
 
-def _text(a):
-    if hasattr(a, "shape") and hasattr(a, "dtype"):
-        return str(tuple(a.shape)) + " " + str(a.dtype).replace("torch.", "")
+def _text(a, Tensor):
+    if isinstance(a, Tensor):
+        return str(tuple(a.shape)) + " " + str(a.dtype)[6:]
     if isinstance(a, (list, tuple)):
-        first = " of " + _text(a[0]) if a and hasattr(a[0], "shape") else ""
-        return "list of " + str(len(a)) + first
+        return "list of " + str(len(a)) + (" of " + _text(a[0], Tensor) if a and isinstance(a[0], Tensor) else "")
     return type(a).__name__
 
-def watch(dist, names, buf, offset, slot):
+def watch(dist, names, buf, offset, slot, Tensor):
     state = [0, 0]  # call number, depth (a collective calling another is one call)
+    pack = slot.pack_into
+    clock = time.monotonic
 
     def wrap(name, fn, group_at):
         @functools.wraps(fn)
@@ -174,15 +175,16 @@ def watch(dist, names, buf, offset, slot):
                 return fn(*args, **kwargs)
             state[0] += 1
             group = kwargs.get("group", args[group_at] if group_at is not None and len(args) > group_at else None)
-            world = group is None or group is dist.GroupMember.WORLD
-            text = (name + "(" + ", ".join(_text(a) for a in args[:2]) + ")").encode()[:96]
-            slot.pack_into(buf, offset, state[0], 1, time.monotonic(), int(world), text)
-            state[1] += 1
+            world = 1 if group is None or group is dist.GroupMember.WORLD else 0
+            text = name + "(" + (_text(args[0], Tensor) if args else "")
+            text = (text + (", " + _text(args[1], Tensor) if len(args) > 1 else "") + ")").encode()
+            pack(buf, offset, state[0], 1, clock(), world, text)
+            state[1] = 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                state[1] -= 1
-                slot.pack_into(buf, offset, state[0], 0, 0.0, int(world), text)
+                state[1] = 0
+                pack(buf, offset, state[0], 0, 0.0, world, text)
         return collective
 
     for name in names:
@@ -203,6 +205,7 @@ WATCHED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_obj
 
 def _watch_collectives(rank: int, cfg: dict) -> None:
     """Wrap this rank's torch.distributed collectives to publish the one it is in (see the module docstring)."""
+    import torch
     import torch.distributed as dist
 
     path = os.path.join(cfg["tmpdir"], "calls.bin")
@@ -217,7 +220,7 @@ def _watch_collectives(rank: int, cfg: dict) -> None:
     lines = [str(line) for line in _WATCH_SOURCE.splitlines(keepends=True)]
     linecache.cache[_WATCH_FILE] = (len(_WATCH_SOURCE), None, lines, _WATCH_FILE)
     exec(compile(_WATCH_SOURCE, _WATCH_FILE, "exec"), space)  # noqa: S102 (our own constant source)
-    space["watch"](dist, WATCHED, buf, SLOT_BYTES * rank, CALL_SLOT)
+    space["watch"](dist, WATCHED, buf, SLOT_BYTES * rank, CALL_SLOT, torch.Tensor)
 
 
 def read_calls(buf, world_size: int) -> dict:
