@@ -320,10 +320,11 @@ def compare_phases(live: dict, recorded: dict, *, factor: float = 3.0) -> dict:
     """Is the live breakdown's attribution what the record says at the same size? Per phase, the live share
     (each phase's FASTEST profiled step over the sum of those: the profiler's spans are wall clock, and a pause
     from another process only ever adds time) against the band the recorded steps' shares spanned (lowest and
-    highest), widened by ``factor``: ``"moved"`` when the live share lies outside it (a phase whose time went
-    elsewhere, e.g. the combine charged to expert compute, drops to a share of 0). The tolerance is the
-    record's own spread. Returns ``{phase: {"live", "recorded", "band", "call"}}``; a record without per-step
-    phase totals (``runs``) cannot be tested: ``"untestable"``."""
+    highest), widened by ``factor``: ``"moved"`` when the live share lies outside it, ``"vanished"`` when the
+    phase had no time in any live step but some in every recorded one (its time went elsewhere, e.g. the
+    combine charged to expert compute: unambiguous even on a loaded machine, where a wall-clock share can move
+    by chance). The tolerance is the record's own spread. Returns ``{phase: {"live", "recorded", "band",
+    "call"}}``; a record without per-step phase totals (``runs``) cannot be tested: ``"untestable"``."""
     phases = (*PHASES, "other")
     runs = live.get("runs", [])
     if runs:
@@ -341,6 +342,8 @@ def compare_phases(live: dict, recorded: dict, *, factor: float = 3.0) -> dict:
             continue
         lo, hi = min(vals), max(vals)
         band = (lo / factor if lo > 0 else -math.inf, hi * factor if hi > 0 else math.inf)
-        out[ph] = {"live": live_share[ph], "recorded": rec_med, "band": band,
-                   "call": "consistent" if band[0] <= live_share[ph] <= band[1] else "moved"}
+        call = "consistent" if band[0] <= live_share[ph] <= band[1] else "moved"
+        if lo > 0 and all(r[ph] <= 0 for r in runs):
+            call = "vanished"
+        out[ph] = {"live": live_share[ph], "recorded": rec_med, "band": band, "call": call}
     return out
