@@ -42,6 +42,7 @@ def test_a_copied_code_object_fails():
 def test_update_expert_bias_through_a_router_fails():
     def sibling(bias, counts, rate):
         r = TopKRouter(4, len(bias), 1, bias_rate=rate)
+        assert r.expert_bias is not None
         with torch.no_grad():
             r.expert_bias.copy_(bias)
             r.tokens_per_expert.copy_(counts)
