@@ -65,7 +65,8 @@ COMM_ERRORS = ("Connection closed by peer", "Connection reset", "Broken pipe", "
 
 
 class WorkerError(RuntimeError):
-    """A rank raised, died or got stuck. ``rank`` is the first failing rank (None at a timeout).
+    """A rank raised, died or got stuck. ``rank`` is the first failing rank (None at a timeout and when the ranks
+    wait in different collectives).
 
     ``exitcode`` is the rank's exit code (negative: killed by that signal), ``remote_traceback`` its
     traceback and ``stacks`` the Python stacks of the ranks that were stuck at a timeout.
@@ -437,7 +438,7 @@ class _Run:
                f"({self.timeout:g} s): {calls_text}. Every rank must call the same collectives in the same "
                f"order (stopped after {waited:.1f} s with no rank moving on; MISMATCH_S = {MISMATCH_S:g}).{hint}"
                "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{s}" for r, s in stacks.items()))
-        return WorkerError(msg, rank=live[0], stacks=stacks)
+        return WorkerError(msg, stacks=stacks)
 
     def stacks(self, ranks: list) -> dict:
         """The Python stacks of ``ranks`` (faulthandler, on SIGUSR1)."""
@@ -565,9 +566,13 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
     ``env``: extra environment variables for the ranks, a dict of str -> str.
     ``debug=True``: torch checks, before each collective, that every rank calls the same one with the same
     shapes and dtypes (``TORCH_DISTRIBUTED_DEBUG=DETAIL``): a mismatch (rank 0 all_reduce, rank 1 broadcast)
-    raises at once instead of hanging to the timeout. Costs an extra exchange per collective.
+    raises at once instead of hanging to the timeout. Costs an extra exchange per collective. Without it, ranks
+    that sit ``MISMATCH_S`` (2) seconds in different collectives of the default group are still reported, each
+    rank's call named (the collective watch: each rank publishes the collective it is in, see _worker.py).
     ``fn_kwargs``: keyword arguments for ``fn``, for a function whose keywords are named like launch's own
-    (``launch(fn, 2, fn_kwargs={"timeout": 5})`` calls ``fn(timeout=5)``); merged with ``**kwargs``.
+    (``launch(fn, 2, fn_kwargs={"timeout": 5})`` calls ``fn(timeout=5)``); merged with ``**kwargs``. A call
+    that does not fit ``fn``'s signature is refused before anything starts (a TypeError that points to
+    ``fn_kwargs`` when one of launch's own keywords took the value ``fn`` needed).
     Arguments travel by pickle (cloudpickle): each rank gets its own copy; open files are refused.
     Raises WorkerError naming the first failing rank with its remote traceback (a rank that returned or
     called ``sys.exit`` while the others waited for it in a collective is named as the one that left).

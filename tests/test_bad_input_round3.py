@@ -252,7 +252,7 @@ def test_mismatched_collectives_are_named_long_before_the_timeout(own_tmp):
     assert "the ranks called different collectives" in msg
     assert "rank 0 is in all_reduce((4,) float32) (its collective call #1)" in msg
     assert "rank 1 is in all_gather(list of 2 of (4,) float32, (4,) float32) (its collective call #1)" in msg
-    assert "launch(..., debug=True)" in msg and set(err.value.stacks) == {0, 1}
+    assert "launch(..., debug=True)" in msg and set(err.value.stacks) == {0, 1} and err.value.rank is None
     assert took < 120, f"detected after {took:.1f} s: the watch did not fire before the 240 s timeout"
     print(f"mismatch reported {took:.1f} s after the launch started (MISMATCH_S = {MISMATCH_S:g})")
     assert wait_gone(tag, 10) == [] and launch_dirs(own_tmp) == []
