@@ -1,6 +1,7 @@
 """Chapter 05's study: the split by file, fair variants, the verdict arithmetic and a real (tiny) run."""
 import dataclasses
 import hashlib
+import time
 
 import pytest
 import torch
@@ -173,6 +174,19 @@ def test_the_training_clock_leaves_evaluations_out():
     assert clock.eval_start() == 8.0 and clock.eval_seconds == 100.0
     with pytest.raises(RuntimeError, match="without eval_start"):
         lm_study.TrainClock().eval_end()
+
+
+def test_a_run_leaves_its_evaluations_off_the_training_clock(monkeypatch):
+    real = lm_study.heldout_loss
+
+    def slow(*args, **kwargs):                 # every evaluation takes at least 2 s
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_study, "heldout_loss", slow)
+    run = lm_study.run_one(TINY, "dense", 0)   # 6 steps, evaluations after steps 3 and 6
+    assert run["eval_seconds"] >= 4.0
+    assert run["train_seconds"][1] - run["train_seconds"][0] < 2.0   # 3 tiny steps; with the evaluation >= 2 s
 
 
 def test_the_switch_gate_top1_router_gets_a_task_gradient():
