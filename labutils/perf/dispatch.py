@@ -96,7 +96,7 @@ def route(logits: torch.Tensor, top_k: int):
 
 
 def make_problem(tokens: int, d_model: int, d_hidden: int, num_expert: int, top_k: int, seed: int = 0,
-                 device="cpu", dtype=torch.float32, limits: bool = True) -> Problem:
+                 device: str | torch.device = "cpu", dtype=torch.float32, limits: bool = True) -> Problem:
     """A seeded random problem; ``limits`` also builds the dense and pre-sliced inputs of the two references."""
     check_top_k(top_k, num_expert)
     g = torch.Generator().manual_seed(seed)

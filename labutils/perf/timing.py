@@ -68,7 +68,7 @@ def bench(fns: dict, reps: int = 5, warmup: int = 1, device="cpu", budget_s: flo
 MIN_ROUNDS = 5  # fewer timed rounds than this and a median/IQR says little: such a run is flagged
 
 
-def run_conditions(rounds: int, min_rounds: int = MIN_ROUNDS, device="cpu") -> dict:
+def run_conditions(rounds: int, min_rounds: int = MIN_ROUNDS, device: str | torch.device = "cpu") -> dict:
     """How trustworthy a timed run is, stated with it: the load average against the cores, the torch threads,
     the clock, the timed rounds against ``min_rounds``, and ``flags``: what makes the run doubtful
     (``"overloaded"``: the 1-minute load exceeds the cores, so a wall-clock run shared them; ``"too few rounds"``).
@@ -165,7 +165,8 @@ def fit_latency_bandwidth(sizes_bytes, seconds) -> dict:
             "max_rel_error": float(((fitted - y).abs() / y).max())}
 
 
-def matmul_gflops(m: int, n: int, k: int, dtype=torch.float32, device="cpu", reps: int = 5) -> float:
+def matmul_gflops(m: int, n: int, k: int, dtype=torch.float32, device: str | torch.device = "cpu",
+                  reps: int = 5) -> float:
     """Best-of-``reps`` GFLOP/s of ``(m, k) @ (k, n)`` (2*m*n*k flops) on this machine."""
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
@@ -226,7 +227,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(device="cpu", command: str | None = None) -> dict:
+def machine_info(device: str | torch.device = "cpu", command: str | None = None) -> dict:
     """Where, when and how a measurement was taken: stored with every benchmark result."""
     device = torch.device(device)
     info = {
