@@ -375,7 +375,7 @@ def test_fault_a_sleeping_step_shows_as_waiting():
     from labutils.perf import dispatch as D
 
     def sleepy_loop(p):
-        time.sleep(0.03)
+        time.sleep(0.25)                                                          # far above any preemption here
         return D.loop(p)
 
     before = _one_thread()
@@ -384,7 +384,7 @@ def test_fault_a_sleeping_step_shows_as_waiting():
         rows = {r["design"]: r for r in measure_point(p, reps=3, memory=False, designs={"loop": sleepy_loop})}
     finally:
         torch.set_num_threads(before)
-    assert rows["loop"]["wait_share"] > rows["dense"]["wait_share"] + 0.3
+    assert rows["loop"]["wait_share"] >= max(0.95, rows["dense"]["wait_share"]), rows["loop"]["wait_share"]
 
 
 def test_judge_overhead_reads_the_live_figure():
