@@ -39,7 +39,8 @@ class TrafficLog:
     calls: list = field(default_factory=list)
 
     def sent_bytes(self, rank: int, include_self: bool = False) -> int:
-        """Bytes this rank's dispatch all-to-alls put on the wire (own rows excluded unless include_self)."""
+        """Bytes this rank's dispatch all-to-alls were recorded sending (own rows excluded unless include_self):
+        bookkeeping from the exchange's split sizes; :func:`wire_bytes_of_call` counts the wire itself."""
         return sum(n * c["row_bytes"] for c in self.calls for peer, n in enumerate(c["send_rows"])
                    if include_self or peer != rank)
 
