@@ -2,8 +2,9 @@
 chapter 06.)
 
 * ``wire_bytes_of_call(layer, x)`` (inside a rank) counts with :mod:`labutils.wire` the TCP bytes one forward
-  call of ``layer`` puts on the wire, and the same call with no rows (the fixed cost: agreement, counts,
-  framing); ``check_wire`` compares the difference with the routed rows. This is the one count here that is
+  call of ``layer`` puts on the wire, the same call with no rows (the fixed cost: agreement, counts, framing)
+  and the control collectives the design allows, run by hand; ``check_wire`` requires the fixed cost to be
+  those collectives and the difference to be the routed rows, exactly. This is the one count here that is
   observed, not derived: an extra exchange anybody makes shows up in it.
 * ``record_traffic(model)`` collects what ``labutils.moe.expert_parallel.exchange_and_run`` says it sent (rows
   per destination rank and bytes per row): bookkeeping from the same counts as the routing, not a measurement.
