@@ -317,7 +317,8 @@ KILLED_CALLER = textwrap.dedent("""
     from labutils import launch
 
     def stuck():
-        import torch
+        import subprocess, torch
+        subprocess.Popen(["sleep", "300"], start_new_session=True)   # outside the launch's session
         if dist.get_rank() == 0:
             time.sleep(600)
         dist.all_reduce(torch.ones(1))
@@ -329,7 +330,8 @@ KILLED_CALLER = textwrap.dedent("""
 
 @pytest.mark.dist
 def test_a_killed_callers_directory_goes_when_its_workers_exit(tmp_path):
-    """No next launch needed: the zygote removes the directory when the caller died (SIGKILL: no cleanup)."""
+    """No next launch needed: the zygote kills everything below it (a rank's child in a new session too) and
+    removes the directory when the caller died (SIGKILL: the caller cleans nothing)."""
     tag, folder = new_tag(), tmp_path / "launches"
     folder.mkdir()
     script = tmp_path / "caller.py"
@@ -338,9 +340,9 @@ def test_a_killed_callers_directory_goes_when_its_workers_exit(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "launching"
     deadline = time.monotonic() + 60
-    while len(tagged_pids(tag)) < 4 and time.monotonic() < deadline:  # caller, zygote, two ranks
+    while len(tagged_pids(tag)) < 6 and time.monotonic() < deadline:  # caller, zygote, two ranks, two sleeps
         time.sleep(0.2)
-    assert len(tagged_pids(tag)) >= 4 and len(launch_dirs(folder)) == 1
+    assert len(tagged_pids(tag)) >= 6 and len(launch_dirs(folder)) == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=20)
     assert wait_gone(tag, 10) == [], "workers outlived their caller"
