@@ -1,4 +1,4 @@
-"""Side-by-side speed of MoE MLP layers on one shape, forward + backward. (Used in chapters 01 and 08.)
+"""Side-by-side speed of MoE MLP layers on one shape, forward + backward. (Taught in chapter 08.)
 
 Rows (all fp32, top-k routing, the same ``T`` tokens, interleaved round by round so drifts hit all alike; each
 round runs the rows in a fresh seeded order, because rows share one process's allocator: under glibc's defaults a
