@@ -394,3 +394,15 @@ def test_load_many_launches_in_a_row_and_at_once_leave_nothing(own_tmp):
           f"{time.monotonic() - start - in_a_row:.1f} s")
     assert wait_gone(tag, 10) == [], "orphaned workers"
     assert launch_dirs(own_tmp) == [], "leftover launch directories"
+
+
+def test_a_router_used_alone_refuses_a_nan_expert_bias():
+    import torch
+
+    from labutils.moe.routers import TopKRouter
+
+    router = TopKRouter(8, 4, 2, bias_rate=0.01)
+    with torch.no_grad():
+        router.expert_bias[1] = float("nan")
+    with pytest.raises(ValueError, match=r"expert_bias holds \[nan\] at expert\(s\) \[1\]"):
+        router(torch.randn(5, 8))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .aux_free import check_expert_bias
 from .gates import BaseGate, check_finite_logits, check_gate_input
 from .router_losses import balance_loss, z_loss
 
@@ -65,6 +66,8 @@ class TopKRouter(BaseGate):
         logits = self.gate(x)                                                # (T, E)
         check_finite_logits(self, logits)
         s = self.scores(logits)                                              # (T, E)
+        if self.expert_bias is not None:
+            check_expert_bias(self.expert_bias)                              # a NaN would win every selection
         choice = s if self.expert_bias is None else s + self.expert_bias     # selection only
         idx = choice.topk(self.top_k, dim=-1).indices                        # (T, k)
         w = s.gather(1, idx)                                                 # (T, k) from the unbiased scores
