@@ -32,7 +32,7 @@ def _hidden(gen: torch.Generator, i: int) -> tuple:
     """Sizes up to the book's scale and beyond (counts past 2**31 and past float32's exact integers); 2 experts at
     least (the layer routes top-2)."""
     hi = (9, 65, 257, 4097, 16385)[i % 5]
-    num_expert = int(torch.randint(2, max(3, hi // 4), (1,), generator=gen))     # top-2 needs 2 experts
+    num_expert = int(torch.randint(2, min(257, max(3, hi // 4)), (1,), generator=gen))   # top-2 needs 2 experts
     d_model, d_hidden = (int(torch.randint(1, hi, (1,), generator=gen)) for _ in range(2))
     return (num_expert, d_model, d_hidden)
 
