@@ -143,9 +143,10 @@ class Comparison:
         if self.verdict == "inconclusive":
             why = (f" (fewer than {self.min_n} seeds in an arm)" if min(self.n_a, self.n_b) < self.min_n
                    else f" (p = {self.p:.3g} >= {self.alpha})")
-        stats = (f"{f.format(self.mean_a)} vs {f.format(self.mean_b)}{u} (difference {f.format(self.diff)}, "
-                 f"95% CI [{f.format(self.ci[0])}, {f.format(self.ci[1])}], {self.test} t = {self.t:.2f}, "
-                 f"p = {self.p:.3g}; {self.n_a} vs {self.n_b} seeds" + (f"; preset {preset}" if preset else "") + ")")
+        tested = "" if math.isnan(self.p) else (f", 95% CI [{f.format(self.ci[0])}, {f.format(self.ci[1])}], "
+                                                 f"{self.test} t = {self.t:.2f}, p = {self.p:.3g}")
+        stats = (f"{f.format(self.mean_a)} vs {f.format(self.mean_b)}{u} (difference {f.format(self.diff)}{tested}; "
+                 f"{self.n_a} vs {self.n_b} seeds" + (f"; preset {preset}" if preset else "") + ")")
         return f"{a} {verb}{why}: {stats}"
 
 
