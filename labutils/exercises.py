@@ -22,6 +22,7 @@ notebook global): each must fail.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import secrets
 import sys
@@ -56,8 +57,13 @@ def library_roots(extra=()) -> tuple:
     """Directories whose code an exercise may not call: this package, and DeepSpeed/fastmoe when imported."""
     roots = [_PACKAGE_DIR]
     for mod in ("deepspeed", "fmoe", "fmoe_cuda"):
-        m = sys.modules.get(mod)
-        path = getattr(m, "__file__", None)
+        path = getattr(sys.modules.get(mod), "__file__", None)
+        if path is None:  # not imported yet: where it would be, so an import inside the exercise is covered
+            try:
+                spec = importlib.util.find_spec(mod)
+            except (ImportError, ValueError):
+                spec = None
+            path = spec.origin if spec is not None else None
         if path:
             roots.append(os.path.dirname(os.path.abspath(path)))
     roots.extend(os.path.abspath(str(r)) for r in extra)

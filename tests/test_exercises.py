@@ -139,3 +139,24 @@ def test_guarded_call_reports_and_library_internals_are_not_violations():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="visible cases, hidden="):
         check_exercise("x", lambda: 1, lambda: 1)
+
+
+def test_a_library_imported_inside_the_exercise_is_covered_too():
+    """DeepSpeed not yet imported when the checker starts: importing and calling it inside the student's function
+    still fails (the guard covers where the library would load from). A fresh process, so nothing imported it."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from labutils.exercises import check_exercise\n"
+        "assert 'deepspeed' not in sys.modules\n"
+        "def cheat(S, E):\n"
+        "    from deepspeed.moe.sharded_moe import _capacity\n"
+        "    import torch\n"
+        "    return int(_capacity(torch.zeros(S, E), torch.tensor(1.0), torch.tensor(0)))\n"
+        "try:\n"
+        "    check_exercise('cap', cheat, lambda S, E: -(-S // E), (10, 4))\n"
+        "except AssertionError:\n"
+        "    print('refused')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused" in out.stdout and "OFF LIMITS: calls deepspeed" in out.stdout, out.stdout + out.stderr
