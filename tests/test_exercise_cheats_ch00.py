@@ -23,7 +23,7 @@ def no_collective_arange(x):  # the cheat that passed before: rank numbers, no c
 
 def library_gather(x):  # the book's own variable-size all-gather
     from labutils.collectives import all_gather_variable_dim
-    return all_gather_variable_dim(x.unsqueeze(0)).reshape(dist.get_world_size(), -1)
+    return all_gather_variable_dim(x.unsqueeze(0))[0].reshape(dist.get_world_size(), -1)
 
 
 VISIBLE_TABLE = {tuple(ch00.rank_value(s, r, n).tolist()): ch00._gather_reference(w, n, (s,))[0, 0]

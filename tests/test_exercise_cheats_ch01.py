@@ -36,7 +36,7 @@ def _layer_with(w_gate, b_gate, W1, b1, W2, b2, k):
     with torch.no_grad():
         layer.gate.gate.weight.copy_(w_gate)
         layer.gate.gate.bias.copy_(b_gate)
-        for e, ex in enumerate(layer.experts):
+        for e, ex in enumerate(layer.experts):  # pyright: ignore[reportArgumentType]
             for lin, w, b in ((ex.htoh4, W1, b1), (ex.h4toh, W2, b2)):
                 lin.weight.copy_(w[e:e + 1])
                 lin.bias.copy_(b[e:e + 1])
@@ -151,7 +151,8 @@ def test_the_sibling_cheats_compute_the_right_number_so_only_the_guard_stops_the
     (logits,) = ch01.switch_visible()[0]
     want = ch01.switch_loss_reference(logits)
     for cheat in (switch_balance_loss, switch_gate_cheat):
-        assert abs(float(cheat(logits).detach()) - float(want)) < 1e-5
+        value = cheat(logits)
+        assert value is not None and abs(float(value.detach()) - float(want)) < 1e-5
 
 
 # --- count_by_gate --------------------------------------------------------------------------------------------------
