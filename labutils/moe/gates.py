@@ -139,34 +139,53 @@ class NoisyGate(BaseGate):
         nn.init.kaiming_uniform_(self.w_noise, a=math.sqrt(5))
 
     def forward(self, x):
+        clean, logits, stddev = self.noisy_logits(x)                        # router: (T, E) each
+        top_logits, idx, score = self.top_k_choice(logits)                  # (T, k+1), (T, k), (T, k)
+        self.set_loss(self.balance_loss(clean, logits, stddev, top_logits, idx, score))
+        return idx.reshape(-1), score.unsqueeze(1)                          # (T*k,), (T, 1, k)
+
+    def noisy_logits(self, x):
+        """The router: ``(clean, logits, stddev)``, each ``(T, E)``; ``logits`` is ``clean`` plus noise in
+        training (``stddev`` is ``None`` in eval)."""
         check_gate_input(self, x, self.d_model, self.w_gate.dtype)
         clean = x @ self.w_gate                                             # (T, E)
         check_finite_logits(self, clean)
         if self.training:
             stddev = F.softplus(x @ self.w_noise) + self.noise_epsilon      # (T, E)
-            logits = clean + torch.randn_like(clean) * stddev
-        else:  # fastmoe multiplies the noise by 0 (and still draws it); the values are the same
-            stddev, logits = None, clean
+            return clean, clean + torch.randn_like(clean) * stddev, stddev
+        return clean, clean, None  # fastmoe multiplies the noise by 0 (and still draws it); the values are the same
+
+    def top_k_choice(self, logits):
+        """``(top_logits (T, m), idx (T, k), score (T, k))``: the best ``m = min(k + 1, E)`` logits (the
+        ``k+1``-th is the load estimate's threshold), the chosen ids and the softmax over their logits."""
         m = min(self.top_k + 1, self.tot_expert)
         top_logits, top_idx = logits.topk(m, dim=-1)                        # (T, m)
-        idx, score = top_idx[:, :self.top_k], F.softmax(top_logits[:, :self.top_k], dim=-1)  # (T, k)
+        return top_logits, top_idx[:, :self.top_k], F.softmax(top_logits[:, :self.top_k], dim=-1)
+
+    def balance_loss(self, clean, logits, stddev, top_logits, idx, score):
+        """``w_importance * cv²(importance) + w_load * cv²(load)`` (a scalar, or fastmoe's ``(1,)`` zero)."""
         gates = torch.zeros_like(logits).scatter(1, idx, score)             # (T, E), dense weights
         if stddev is not None and self.top_k < self.tot_expert:
             load = self._prob_in_top_k(clean, logits, stddev, top_logits).sum(0)
         else:
             load = (gates > 0).sum(0)
-        self.set_loss(self.w_importance * cv_squared(gates.sum(0)) + self.w_load * cv_squared(load))
-        return idx.reshape(-1), score.unsqueeze(1)                          # (T*k,), (T, 1, k)
+        return self.w_importance * cv_squared(gates.sum(0)) + self.w_load * cv_squared(load)
 
     def _prob_in_top_k(self, clean, noisy, stddev, top_logits):
         """P(expert stays in the top-k if its own noise were redrawn): Shazeer et al. eq. 9."""
         in_threshold = top_logits[:, self.top_k:self.top_k + 1]             # (T, 1) k+1-th value
         out_threshold = top_logits[:, self.top_k - 1:self.top_k]            # (T, 1) k-th value
-        normal = torch.distributions.Normal(clean.new_zeros(()), clean.new_ones(()))
-        is_in = noisy > in_threshold
-        prob_in = normal.cdf((clean - in_threshold) / stddev)
-        prob_out = normal.cdf((clean - out_threshold) / stddev)
-        return torch.where(is_in, prob_in, prob_out)
+        is_in = noisy > in_threshold                                        # (T, E)
+        # where(is_in, cdf(z_in), cdf(z_out)) with ONE cdf: elementwise, so the same values and gradients
+        threshold = torch.where(is_in, in_threshold, out_threshold)         # (T, E)
+        return _std_normal_cdf((clean - threshold) / stddev)
+
+
+def _std_normal_cdf(z: torch.Tensor) -> torch.Tensor:
+    """``Normal(0, 1).cdf(z)`` as torch.distributions computes it, ``0.5 * (1 + erf((z - 0) * 1 / sqrt 2))``,
+    without building a distribution object per call (its ``- 0`` and ``* 1`` are exact, so the values and
+    gradients are the same bits)."""
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2)))
 
 
 def collect_aux_loss(model: nn.Module, clear: bool = False) -> torch.Tensor:
