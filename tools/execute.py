@@ -8,6 +8,7 @@ Per chapter it prints one line: name, seconds, PASS/FAIL. Exit status is non-zer
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -69,13 +70,19 @@ def main() -> int:
     ap.add_argument("--inplace", action="store_true", help="write outputs back into the notebook")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "build", help="where executed copies and HTML go")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    ap.add_argument("--times", type=pathlib.Path, default=None,
+                    help="also write each chapter's wall seconds, with the date, preset and load, to this JSON "
+                         "(docs/runtimes.json is what the README's runtime column is generated from)")
     args = ap.parse_args()
     paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) if args.all else args.notebooks
     if not paths:
         ap.error("no notebooks given")
     os.environ.pop("MPLBACKEND", None)  # kernels must use the inline backend so figures are recorded
     failed, total = [], time.perf_counter()
-    print(f"preset: {os.environ.get('LAB_PRESET') or 'tiny'}", flush=True)
+    preset = os.environ.get("LAB_PRESET") or "tiny"
+    print(f"preset: {preset}", flush=True)
+    times = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+             "load_avg_1min_start": os.getloadavg()[0], "seconds": {}}
     for path in paths:
         nb, seconds, error = execute(path, args.timeout)
         if args.inplace:
@@ -85,12 +92,16 @@ def main() -> int:
             (args.out / "html").mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, args.out / "executed" / path.name)
             to_html(nb, args.out / "html" / path.with_suffix(".html").name)
+        times["seconds"][path.stem] = round(seconds, 1)
         status = "PASS" if error is None else "FAIL"
         print(f"{path.stem:<28} {seconds:7.1f} s  {status}" + (f"  {error}" if error else ""), flush=True)
         if error:
             failed.append(path.stem)
     print(f"{'total':<28} {time.perf_counter() - total:7.1f} s  "
           f"{len(paths) - len(failed)} passed, {len(failed)} failed", flush=True)
+    if args.times is not None and not failed:
+        times["load_avg_1min_end"] = os.getloadavg()[0]
+        args.times.write_text(json.dumps(times, indent=1) + "\n")
     return 1 if failed else 0
 
 

@@ -1,0 +1,147 @@
+"""The README's result sentences, generated from the recorded numbers (never typed by hand).
+
+    python tools/readme_results.py            # rewrite every <!-- gen:NAME -->...<!-- /gen --> span in README.md
+    python tools/readme_results.py --check    # exit 1, listing the spans that differ (tests/test_readme.py runs it)
+
+Each span is produced by one function below from a record under ``benchmarks/results/`` (or ``docs/runtimes.json``
+for the chapters' run times, written by ``tools/execute.py --times``), through the same functions the chapters use
+for their verdicts, and names the preset or run it came from.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+SPAN = re.compile(r"<!-- gen:(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /gen -->", re.S)
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def runtime(chapter: str) -> str:
+    rec = json.loads((ROOT / "docs" / "runtimes.json").read_text())
+    return f"{rec['seconds'][chapter]:.0f} s"
+
+
+def ch05() -> str:
+    from labutils import lm_study
+
+    rec = _load("moe_vs_dense_full.json")
+    s = lm_study.summarize(rec)
+    c, sp, eq = s["moe_vs_dense"], s["speedup"], s["equal_time"]["comparison"]
+    seeds = s["seeds"]["MoE"]
+    steps = rec["config"].get("steps", "?")
+    out = (f"the recorded run (preset {s['preset']}, {seeds} seeds, {steps} steps): MoE {c.mean_a:.3f} vs dense "
+           f"{c.mean_b:.3f} nats, {c.verdict} (Welch p = {c.p:.3f})")
+    if sp["ci"] is not None:
+        out += f"; dense needs {sp['mean']:.2f}× the steps (bootstrap 95% [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}])"
+    if eq is not None:
+        out += f"; at equal CPU time MoE is {eq.verdict}" + (f" dense (p = {eq.p:.3f})" if eq.verdict != "inconclusive"
+                                                            else "")
+    return out
+
+
+def bench_moe_vs_dense() -> str:
+    from labutils import lm_study
+
+    rec = _load("moe_vs_dense_full.json")
+    s = lm_study.summarize(rec)
+    f = s["final"]
+    w, mw = s["moe_vs_dense"], s["moe_vs_wide"]
+    finals = ", ".join(f"{n} {f[n][0]:.3f} ± {f[n][1]:.3f}" for n in ("MoE", "dense", "dense-wide"))
+    return (f"{rec['wall_seconds'] / 60:.0f} min (preset {s['preset']}). Final validation loss {finals} "
+            f"nats: MoE vs dense {w.verdict} (95% CI of the gap [{w.ci[0]:.3f}, "
+            f"{w.ci[1]:.3f}]), MoE vs dense-wide {mw.verdict} (p = {mw.p:.2f})")
+
+
+def bench_launch() -> str:
+    rows = {(r["world_size"], r["launcher"]): r for r in _load("launch.json")["rows"]}
+    w = max(ws for ws, _ in rows)
+    t = {name: rows[(w, name)]["seconds_to_first_all_reduce"] for name in ("labutils.launch", "mp.spawn", "torchrun")}
+    return (f"{w} ranks: {t['labutils.launch']:.2f} s vs {t['mp.spawn']:.2f} s vs {t['torchrun']:.2f} s, "
+            f"{rows[(w, 'labutils.launch')]['ratio_to_torchrun']:.2f}x torchrun (target <= 0.7x)")
+
+
+def bench_comm() -> str:
+    fits = _load("comm.json")["fits"]
+    parts = [f"{w} workers ({f['workers_per_core']:.0f} per core): {f['latency_s'] * 1e3:.2f} ms + bytes / "
+             f"{f['bandwidth_gb_s']:.2f} GB/s per rank" for w, f in sorted(fits.items(), key=lambda kv: int(kv[0]))]
+    return "; ".join(parts)
+
+
+def bench_full_scale() -> str:
+    r = _load("full_scale.json")
+    out = (f"{r['parameters'] / 1e6:.0f}M parameters, {r['tokens_per_step']} tokens, {r['threads']} threads: "
+           f"{r['median_step_seconds']:.1f} s per training step (median of {len(r['steps'])}: "
+           + ", ".join(f"{k} {v:.1f} s" for k, v in r["median_phase_seconds"].items()) + ")")
+    theory = r["theory_bytes"]["total"] / 1e9
+    return out + f"; peak {r['peak_rss_bytes'] / 1e9:.2f} GB vs {theory:.2f} GB of parameters + gradients + Adam state"
+
+
+def bench_token_exchange() -> str:
+    rec = _load("token_exchange.json")
+    worlds = sorted(rec["worlds"], key=int)
+    w = worlds[-1]
+    per = rec["worlds"][w]
+    base = per["fastmoe"]["sent_mean"]
+    choices = int(w) * rec["config"]["tokens"] * rec["config"]["k"]
+    ratios = ", ".join(f"{d} {per[d]['sent_mean'] / base:.2f}x" + (
+        f" (dropping {per[d]['choices_dropped']} of {choices} choices)" if per[d].get("choices_dropped") else "")
+        for d in per if d != "fastmoe")
+    err = max(max(p["max_error"].values()) for ws in rec["worlds"].values() for p in ws.values())
+    return (f"every design equals one process (worst {err:.0e}); bytes per rank at W = {w} relative to FastMoE's "
+            f"exchange: {ratios}; the all-reduce design's share grows with W "
+            + "(" + ", ".join(f"{per_w['all-reduce']['sent_mean'] / per_w['fastmoe']['sent_mean']:.2f}x"
+                              for per_w in (rec['worlds'][x] for x in worlds)) + f" at W = {', '.join(worlds)})")
+
+
+GENERATORS = {"ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense, "bench-launch": bench_launch,
+              "bench-comm": bench_comm, "bench-full-scale": bench_full_scale,
+              "bench-token-exchange": bench_token_exchange}
+
+
+def generate(name: str) -> str:
+    if name.startswith("runtime-"):
+        return runtime(name.removeprefix("runtime-"))
+    if name not in GENERATORS:
+        raise KeyError(f"README.md has a span gen:{name} that tools/readme_results.py cannot generate")
+    return GENERATORS[name]()
+
+
+def render(text: str) -> tuple:
+    """(new text, names of spans whose text changed)."""
+    changed = []
+
+    def sub(m):
+        body = generate(m["name"])
+        if body != m["body"]:
+            changed.append(m["name"])
+        return f"<!-- gen:{m['name']} -->{body}<!-- /gen -->"
+
+    return SPAN.sub(sub, text), changed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only report spans that differ; exit 1 if any")
+    args = ap.parse_args()
+    readme = ROOT / "README.md"
+    new, changed = render(readme.read_text())
+    if args.check:
+        for name in changed:
+            print(f"README.md: gen:{name} differs from the record (run python tools/readme_results.py)")
+        return 1 if changed else 0
+    readme.write_text(new)
+    print(f"README.md: {len(changed)} span(s) rewritten: {', '.join(changed) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
