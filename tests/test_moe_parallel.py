@@ -250,50 +250,6 @@ def test_parity_check_catches_expert_parallel_gradient_bugs():
         assert all(group in n for n in flagged[fault]), f"{fault!r} flagged other tensors: {sorted(flagged[fault])}"
 
 
-def _dp_ep_grads(dp_over_every_rank):
-    """DP x EP = 2 x 2 on 4 ranks, one step: each rank's loss is its rows' mean; the gate's gradient averaged over
-    every rank; an expert's gradient summed over its replica (ranks r and r + 2) and divided by the world size,
-    or (the bug) averaged over every rank like a dense parameter. Returns relative differences from one process."""
-    import torch
-    import torch.distributed as dist
-
-    from labutils.moe import FMoETransformerMLP
-    from labutils.moe.expert_parallel import shard_state
-
-    rank, world, ep = dist.get_rank(), dist.get_world_size(), 2
-    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    torch.manual_seed(0)
-    full = FMoETransformerMLP(2 * ep, D, H, top_k=2)
-    with torch.no_grad():
-        for p in full.parameters():
-            p.normal_(0, p.shape[-1] ** -0.5)
-    part = FMoETransformerMLP(2, D, H, top_k=2, world_size=ep, moe_group=ep_groups[rank // ep])
-    part.load_state_dict(shard_state(full.state_dict(), rank % ep, 2))
-    x_all = torch.randn(4 * world, D, generator=torch.Generator().manual_seed(3))
-    part(x_all[4 * rank: 4 * rank + 4]).pow(2).mean().backward()
-    full(x_all).pow(2).mean().backward()
-    for n, p in part.named_parameters():
-        if dp_over_every_rank or not n.startswith("experts."):
-            dist.all_reduce(p.grad)
-        else:
-            dist.all_reduce(p.grad, group=replicas[rank % ep])
-        p.grad /= world
-    want = shard_state({n: p.grad for n, p in full.named_parameters()}, rank % ep, 2)
-    return {n: ((p.grad - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item()
-            for n, p in part.named_parameters()}
-
-
-def test_dp_ep_2x2_gradient_check_catches_a_dp_all_reduce_over_the_experts():
-    """Issue 28's third bug class: at DP x EP = 2 x 2 a data-parallel all-reduce over every rank mixes different
-    experts' gradients; the correct grouping passes the one-process check, the bug fails it on experts only."""
-    right = launch(_dp_ep_grads, 4, False, timeout=90)
-    wrong = launch(_dp_ep_grads, 4, True, timeout=90)
-    assert all(v <= 1e-5 for r in right for v in r.values()), right
-    flagged = {n for r in wrong for n, v in r.items() if v > 1e-3}
-    assert flagged and all(n.startswith("experts.") for n in flagged), sorted(flagged)
-
-
 # --- bytes on the wire ------------------------------------------------------------------------------------------
 
 WIRE_FAULTS = ("extra padding all-to-all", "blocks padded to a fixed size", "rows sent twice", "extra all_reduce")
