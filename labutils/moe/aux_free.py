@@ -46,11 +46,11 @@ def update_expert_bias(model: nn.Module, center: bool = True) -> int:
     """Update every :class:`TopKRouter` with a bias in ``model`` from its ``tokens_per_expert`` and reset the
     counts; returns how many routers were updated. Call it after ``optimizer.step()`` (or register it with
     :func:`attach_bias_update`)."""
-    from .routers import TopKRouter
     n = 0
     with torch.no_grad():
-        for name, m in model.named_modules():
-            if isinstance(m, TopKRouter) and m.expert_bias is not None and m.bias_rate is not None:
+        for name, m in model.named_modules():  # a TopKRouter, or any router with the same three attributes
+            if (getattr(m, "expert_bias", None) is not None and getattr(m, "bias_rate", None) is not None
+                    and hasattr(m, "tokens_per_expert")):
                 check_expert_bias(m.expert_bias, f"{name or type(model).__name__}.expert_bias")
                 if m.tokens_per_expert.sum() > 0:
                     m.expert_bias.copy_(bias_update(m.expert_bias, m.tokens_per_expert, m.bias_rate, center))
