@@ -29,6 +29,7 @@ How it is measured (say it with the numbers):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import pathlib
@@ -37,16 +38,19 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# --labutils=DIR: import the package from another tree, e.g. the core before a change
+# (``git archive <commit> labutils | tar -x -C DIR``); with --steps-only, its whole steps against the same dense.
+OTHER = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--labutils=")), None)
+if OTHER:
+    sys.path.insert(0, OTHER)
 
 import torch  # noqa: E402
 
 from labutils import lm_study  # noqa: E402
 from labutils.data import CharBatches  # noqa: E402
-from labutils.moe.functions import check_gate_output, count_by_gate, gather_combine, scatter  # noqa: E402
-from labutils.perf.timing import clock, machine_info, paired_ratio, peak_memory, quartiles, save_result  # noqa: E402
+from labutils.moe.gates import collect_aux_loss  # noqa: E402
+from labutils.perf.timing import clock, clock_name, machine_info, paired_ratio, peak_memory, quartiles, save_result  # noqa: E402
 from labutils.train import _step, lm_cross_entropy  # noqa: E402
-
-MOE_PHASES = ("router", "top-k", "aux loss", "sort/count", "scatter (gather rows)", "experts", "combine")
 
 
 def median_time(fn, reps: int, warmup: int = 3) -> float:
@@ -62,64 +66,117 @@ def median_time(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def leaf(t: torch.Tensor | None):
-    return None if t is None else t.detach().clone().requires_grad_(t.is_floating_point())
+class PhaseClock:
+    """Per-phase CPU time inside real training steps.
+
+    Forward: the phase's functions are wrapped (:meth:`labelled`), each call timed on THE clock. Every autograd
+    node a phase creates has a sequence number between the two read at its start and end (:meth:`seq`), so after
+    the forward the graph is walked from the loss and each node gets a pre-hook and a hook that charge its
+    backward to that phase (nodes of no phase: ``rest``). The hooks are Python calls (a few us per node), so the
+    instrumented step is slower than a plain one; both are reported.
+    """
+
+    def __init__(self):
+        self.tick = clock()
+        self.fwd: dict = {}
+        self.bwd: dict = {}
+        self.ranges: list = []
+        self.active = None
+
+    @staticmethod
+    def seq() -> int:
+        """The autograd sequence number the next node will get (this probe takes one)."""
+        return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1  # pyright: ignore
+
+    def labelled(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            if self.active is not None:              # nested: the outer phase owns it
+                return fn(*args, **kwargs)
+            self.active, lo, t0 = phase, self.seq(), self.tick()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.fwd[phase] = self.fwd.get(phase, 0.0) + self.tick() - t0
+                self.ranges.append((lo, self.seq(), phase))
+                self.active = None
+        return timed
+
+    def phase_of(self, node) -> str:
+        nr = node._sequence_nr()
+        return next((p for lo, hi, p in self.ranges if lo <= nr < hi), "rest")
+
+    def hook_backward(self, loss: torch.Tensor) -> None:
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+            phase, start = self.phase_of(node), []
+            node.register_prehook(lambda g, start=start: start.append(self.tick()))
+            node.register_hook(lambda gi, go, start=start, phase=phase: self.bwd.__setitem__(
+                phase, self.bwd.get(phase, 0.0) + self.tick() - start.pop()))
 
 
-def fwd_bwd(build, reps: int) -> tuple:
-    """(forward s, backward s) of ``build()`` (which returns a tensor built from leaves): the forward as called,
-    the backward of a retained graph with a fixed random output gradient."""
-    fwd = median_time(build, reps)
-    out = build()
-    if not out.requires_grad:
-        return fwd, 0.0
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype)
-    bwd = median_time(lambda: out.backward(grad, retain_graph=True), reps)
-    return fwd, bwd
+@contextlib.contextmanager
+def phases_labelled(pc: PhaseClock):
+    """Wrap the MoE core's steps (the gate's three pieces, count/sort, scatter, experts, combine) and the dense
+    MLP's forward in ``pc.labelled`` for the duration of the block."""
+    from labutils.models import DenseMLP
+    from labutils.moe import layers
+    from labutils.moe.gates import NoisyGate
 
-
-def moe_phases(layer, x: torch.Tensor, reps: int) -> dict:
-    """{phase: (forward s, backward s)} of one ``FMoETransformerMLP`` with a ``NoisyGate`` on input ``x`` (T, d)."""
-    gate, k = layer.gate, layer.top_k
-    x = leaf(x)
-    clean, logits, stddev = gate.noisy_logits(x)                                    # (T, E) each
-    top_logits, idx, score = gate.top_k_choice(logits)
-    gate_idx, gate_score = check_gate_output(idx.reshape(-1), score.unsqueeze(1), x.shape[0], k, layer.tot_expert)
-    pos, counts = count_by_gate(gate_idx, layer.num_expert)
-    x_sorted = scatter(x, pos, k)                                                   # (N, d)
-    y_sorted = layer.run_experts(x_sorted, counts)                                  # (N, d)
-    c, lg, sd, tl, sc, xs, ys = (leaf(t) for t in (clean, logits, stddev, top_logits, score, x_sorted, y_sorted))
-    return {
-        "router": fwd_bwd(lambda: gate.noisy_logits(x)[1], reps),
-        "top-k": fwd_bwd(lambda: gate.top_k_choice(lg)[2], reps),
-        "aux loss": fwd_bwd(lambda: gate.balance_loss(c, lg, sd, tl, idx, sc), reps),
-        "sort/count": fwd_bwd(lambda: count_by_gate(
-            check_gate_output(idx.reshape(-1), sc.unsqueeze(1), x.shape[0], k, layer.tot_expert)[0],
-            layer.num_expert)[0], reps),
-        "scatter (gather rows)": fwd_bwd(lambda: scatter(x, pos, k), reps),
-        "experts": fwd_bwd(lambda: layer.run_experts(xs, counts), reps),
-        "combine": fwd_bwd(lambda: gather_combine(ys, pos, sc), reps),
-    }
-
-
-def ffn_inputs(model, step) -> list:
-    """The ``(T, d)`` input of every block's FFN during one real training ``step()``."""
-    seen = []
-    hooks = [b.ffn.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
-             for b in model.blocks]
+    targets = [(NoisyGate, "noisy_logits", "router"), (NoisyGate, "top_k_choice", "top-k"),
+               (NoisyGate, "balance_loss", "aux loss"), (layers, "check_gate_output", "sort/count"),
+               (layers, "count_by_gate", "sort/count"), (layers, "scatter", "scatter (gather rows)"),
+               (layers.FMoE, "expert_exchange", "experts"), (layers, "gather_combine", "combine"),
+               (DenseMLP, "forward", "FFN (fc1, GELU, fc2)")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for owner, name, phase in targets:
+        setattr(owner, name, pc.labelled(getattr(owner, name), phase))
     try:
-        step()
+        yield
     finally:
-        for h in hooks:
-            h.remove()
-    return seen
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def instrumented_steps(model, opt, data, variant, steps: int) -> dict:
+    """Per-phase medians over ``steps`` real training steps (the study's step, written out so the backward
+    can be hooked between forward and backward)."""
+    per_step: dict = {}
+    tick = clock()
+    for _ in range(steps):
+        pc = PhaseClock()
+        t0 = tick()
+        with phases_labelled(pc):
+            x, y = data.next_batch()
+            task = lm_cross_entropy(model(x), y)
+            loss = task + variant.aux_coef * collect_aux_loss(model, clear=True)
+            task.item(), float(loss.detach())
+        t1 = tick()
+        pc.hook_backward(loss)
+        t2 = tick()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t3 = tick()
+        opt.step()
+        t4 = tick()
+        rows = {f"{p} fwd": v for p, v in pc.fwd.items()} | {f"{p} bwd": v for p, v in pc.bwd.items()}
+        rows |= {"forward total": t1 - t0, "backward total": t3 - t2, "optimizer (Adam)": t4 - t3,
+                 "instrumented step": (t1 - t0) + (t4 - t2)}
+        rows["rest fwd"] = rows["forward total"] - sum(pc.fwd.values())
+        for k, v in rows.items():
+            per_step.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in per_step.items()}
 
 
 def optimizer_times(model, step, lr: float, reps: int) -> dict:
     """Seconds of ``Adam.step()`` (default, foreach, fused) on copies of ``model`` holding one step's gradients."""
     step()  # fills .grad
     out = {}
-    for name, kw in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+    for name, kw in ADAM.items():
         m = copy.deepcopy(model)
         for p, q in zip(model.parameters(), m.parameters()):
             q.grad = None if p.grad is None else p.grad.clone()
@@ -129,29 +186,38 @@ def optimizer_times(model, step, lr: float, reps: int) -> dict:
     return out
 
 
-def setup(cfg, name: str, corpus, seed: int = 0):
+ADAM = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def setup(cfg, name: str, corpus, seed: int = 0, adam: str = "default"):
     variant = lm_study.variants(cfg)[name]
     model = lm_study.build(cfg, variant, corpus.vocab_size, seed)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)  # what labutils.train builds
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, **ADAM[adam])  # default: what labutils.train builds
     data = CharBatches(lm_study.training_text(cfg, corpus), cfg.batch, cfg.block, seed=seed)
 
     def step():
         _step(model, model, data, lm_cross_entropy, opt, variant.aux_coef, None, False)
-    return model, opt, step, variant
+    return model, opt, step, variant, data
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=60, help="interleaved whole-step rounds per model")
-    ap.add_argument("--reps", type=int, default=40, help="repetitions of each replayed phase")
+    ap.add_argument("--reps", type=int, default=40, help="repetitions of each optimizer variant")
+    ap.add_argument("--phase-steps", type=int, default=30, help="instrumented steps per model (phase medians)")
     ap.add_argument("--out", default="train_step.json", help="file name under benchmarks/results/")
+    ap.add_argument("--labutils", help="=DIR: the labutils package of another tree (see the top of this file)")
+    ap.add_argument("--steps-only", action="store_true", help="whole steps only: print, record nothing")
+    ap.add_argument("--adam", choices=sorted(ADAM), default="default",
+                    help="with --steps-only: both models' Adam (labutils.train builds the default)")
     args = ap.parse_args()
     cfg = lm_study.PRESETS["full"]
     torch.set_num_threads(cfg.threads)
     load_before = os.getloadavg()
     corpus = lm_study.corpus_for(cfg.val_one_in)
-    runs = {name: setup(cfg, name, corpus) for name in ("dense", "MoE")}
-    for _, _, step, _ in runs.values():
+    runs = {name: setup(cfg, name, corpus, adam=args.adam if args.steps_only else "default")
+            for name in ("dense", "MoE")}
+    for step in (run[2] for run in runs.values()):
         for _ in range(10):  # warm-up: allocator, Adam state, first-call costs
             step()
 
@@ -163,39 +229,26 @@ def main() -> None:
             runs[name][2]()
             times[name].append(tick() - t0)
     ratio, (r_lo, r_hi) = paired_ratio(times["MoE"], times["dense"])  # median of MoE/dense per round
+    if args.steps_only:
+        import labutils
+        print(f"{labutils.__file__} (Adam {args.adam}): dense {statistics.median(times['dense']) * 1e3:.2f} ms, MoE "
+              f"{statistics.median(times['MoE']) * 1e3:.2f} ms; MoE/dense {ratio:.3f} ({r_lo:.3f}-{r_hi:.3f}, "
+              f"{args.rounds} paired rounds; {clock_name()}; load avg {os.getloadavg()[0]:.1f})")
+        return
 
     breakdown: dict = {}
-    for name, (model, opt, step, _) in runs.items():
-        xs = ffn_inputs(model, step)
-        phases: dict = {}
-        for x, block in zip(xs, model.blocks):
-            ffn = block.ffn
-            x = leaf(x)
-            parts = (moe_phases(ffn, x, args.reps) if name == "MoE"
-                     else {"FFN (fc1, GELU, fc2)": fwd_bwd(lambda f=ffn, x=x: f(x), args.reps)})
-            for phase, (f, b) in parts.items():
-                acc = phases.setdefault(phase, [0.0, 0.0])
-                acc[0] += f
-                acc[1] += b
-        opt_t = optimizer_times(model, step, cfg.lr, args.reps)
-        zero = median_time(lambda o=opt: o.zero_grad(set_to_none=True), args.reps)
-        step_median = statistics.median(times[name])
-        breakdown[name] = {"phases": {p: {"forward_s": f, "backward_s": b} for p, (f, b) in phases.items()},
-                           "optimizer_s": opt_t, "zero_grad_s": zero, "step_median_s": step_median,
-                           "step_quartiles_s": quartiles(times[name]),
-                           "ffn_s": sum(f + b for f, b in phases.values())}
-    dense, moe = breakdown["dense"], breakdown["MoE"]
-    rest = dense["step_median_s"] - dense["ffn_s"] - dense["optimizer_s"]["default"] - dense["zero_grad_s"]
-    dense["rest_of_model_s"] = rest  # attention, embeddings, head, loss, trainer: the same modules in both models
-    moe["python_overhead_s"] = (moe["step_median_s"] - moe["ffn_s"] - moe["optimizer_s"]["default"]
-                                - moe["zero_grad_s"] - rest)
+    for name, (model, opt, step, variant, data) in runs.items():
+        phases = instrumented_steps(model, opt, data, variant, args.phase_steps)
+        breakdown[name] = {"phases_s": phases, "adam_variants_s": optimizer_times(model, step, cfg.lr, args.reps),
+                           "step_median_s": statistics.median(times[name]),
+                           "step_quartiles_s": quartiles(times[name])}
     peaks = {name: peak_memory(run[2]) for name, run in runs.items()}
     record = {
-        "what": "one training step of chapter 05's full study, dense vs MoE, phases replayed on real step tensors",
+        "what": "one training step of chapter 05's full study, dense vs MoE, phases timed inside real steps",
         "machine": machine_info(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "config": {"preset": cfg.name, "d_model": cfg.d_model, "n_layers": cfg.n_layers, "batch": cfg.batch,
                    "block": cfg.block, "num_expert": cfg.num_expert, "top_k": cfg.top_k, "threads": cfg.threads,
-                   "lr": cfg.lr, "rounds": args.rounds, "reps": args.reps},
+                   "lr": cfg.lr, "rounds": args.rounds, "reps": args.reps, "phase_steps": args.phase_steps},
         "step_seconds": times, "moe_over_dense": {"median": ratio, "q1": r_lo, "q3": r_hi},
         "breakdown": breakdown, "peak_bytes": peaks, "peak_moe_over_dense": peaks["MoE"] / peaks["dense"],
     }
@@ -212,18 +265,15 @@ def report(record: dict) -> None:
     print(f"step: dense {b['dense']['step_median_s'] * ms:.2f} ms, MoE {b['MoE']['step_median_s'] * ms:.2f} ms; "
           f"MoE/dense {r['median']:.3f} (paired rounds, quartiles {r['q1']:.3f}-{r['q3']:.3f}, "
           f"n={len(record['step_seconds']['MoE'])})")
+    print(f"phases inside real steps (medians over {record['config']['phase_steps']} instrumented steps, ms):")
+    d, m = b["dense"]["phases_s"], b["MoE"]["phases_s"]
+    print(f"  {'':28s} {'dense':>8s} {'MoE':>8s}")
+    for key in dict.fromkeys(list(d) + list(m)):
+        print(f"  {key:28s} {d.get(key, 0.0) * ms:8.2f} {m.get(key, 0.0) * ms:8.2f}")
     for name in ("dense", "MoE"):
-        d = b[name]
-        print(f"  {name}:")
-        for phase, t in d["phases"].items():
-            print(f"    {phase:24s} fwd {t['forward_s'] * ms:6.2f}  bwd {t['backward_s'] * ms:6.2f} ms")
-        o = d["optimizer_s"]
-        print(f"    {'Adam step':24s} {o['default'] * ms:6.2f} ms (foreach {o['foreach'] * ms:.2f}, fused "
-              f"{o['fused'] * ms:.2f}); zero_grad {d['zero_grad_s'] * ms:.2f} ms")
-        if "rest_of_model_s" in d:
-            print(f"    {'rest of model (by diff.)':24s} {d['rest_of_model_s'] * ms:6.2f} ms")
-        if "python_overhead_s" in d:
-            print(f"    {'Python overhead (diff.)':24s} {d['python_overhead_s'] * ms:6.2f} ms")
+        o = b[name]["adam_variants_s"]
+        print(f"  Adam.step alone, {name}: default {o['default'] * ms:.2f}, foreach {o['foreach'] * ms:.2f}, "
+              f"fused {o['fused'] * ms:.2f} ms")
     p = record["peak_bytes"]
     print(f"peak memory of a step: dense {p['dense'] / 2**20:.1f} MiB, MoE {p['MoE'] / 2**20:.1f} MiB "
           f"({record['peak_moe_over_dense']:.2f}x)")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from labutils.models import CharLM, make_ffn
-from labutils.moe import FMoETransformerMLP, NaiveGate, NoisyGate
+from labutils.moe import NaiveGate, NoisyGate
 from labutils.moe.gates import _std_normal_cdf, collect_aux_loss
 from labutils.train import lm_cross_entropy
 
@@ -41,7 +41,7 @@ def seeded_steps(name: str, steps: int = 3) -> list:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:
-            out += [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+            out += [logits.detach()] + [torch.as_tensor(p.grad).clone() for p in model.parameters()]
         out.append(loss.detach())
         opt.step()
     return out + [p.detach().clone() for p in model.parameters()]
@@ -239,7 +239,7 @@ def test_std_normal_cdf_is_torch_distributions_bit_for_bit():
     g = torch.rand(4096, generator=torch.Generator().manual_seed(1))
     mine.backward(g)
     theirs.backward(g)
-    assert torch.equal(a.grad, b.grad)
+    assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
 
 
 def test_prob_in_top_k_one_cdf_equals_two():
@@ -268,7 +268,7 @@ def test_prob_in_top_k_one_cdf_equals_two():
     for a, b in zip(*leaves):
         assert torch.equal(a.grad, b.grad)
     # negative control: the in/out thresholds swapped is a different estimate
-    swapped = gate._prob_in_top_k(clean, noisy, stddev, top.flip(-1).flip(-1)[:, [0, 2, 1]])
+    swapped = gate._prob_in_top_k(clean, noisy, stddev, top[:, [0, 2, 1]])
     assert not torch.equal(swapped, ref.detach())
 
 
@@ -283,23 +283,52 @@ def test_noisy_gate_forward_is_its_named_pieces():
     clean, logits, stddev = gate.noisy_logits(x)
     top, idx2, score2 = gate.top_k_choice(logits)
     assert torch.equal(idx, idx2.reshape(-1)) and torch.equal(score, score2.unsqueeze(1))
-    assert torch.equal(loss, gate.balance_loss(clean, logits, stddev, top, idx2, score2))
+    assert loss is not None and torch.equal(loss, gate.balance_loss(clean, logits, stddev, top, idx2, score2))
     gate.eval()
     clean, logits, stddev = gate.noisy_logits(x)
     assert stddev is None and logits is clean
 
 
-def test_benchmark_phases_cover_the_layer():
-    """The benchmark's replayed phases run the layer's own steps: their forward outputs rebuild the layer's
-    output, and every phase with a differentiable output gets a backward time."""
+def _tiny_runs():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import train_step
 
-    torch.manual_seed(0)
-    layer = FMoETransformerMLP(4, 16, 32, top_k=2, gate=NoisyGate, init="linear")
-    x = torch.randn(64, 16)                                              # (T, d)
-    phases = train_step.moe_phases(layer, x, reps=2)
-    assert list(phases) == list(train_step.MOE_PHASES)
-    assert all(f > 0 for f, _ in phases.values())
-    assert all(phases[p][1] > 0 for p in ("router", "top-k", "aux loss", "experts", "combine"))
-    assert phases["sort/count"][1] == 0.0
+    from labutils import lm_study
+    from labutils.data import CharBatches
+
+    cfg = lm_study.PRESETS["tiny"]
+    text = torch.randint(40, (4096,), generator=torch.Generator().manual_seed(0))
+
+    class Corpus:
+        vocab_size, train = 40, text
+
+    def fresh():
+        _, opt, step, variant, _ = built = train_step.setup(cfg, "MoE", Corpus)
+        return built
+    return train_step, cfg, fresh, CharBatches
+
+
+def test_benchmark_phases_are_timed_inside_real_steps_and_change_nothing():
+    """Every MoE phase gets a forward and (where differentiable) a backward time from inside a real step; the
+    instrumented step leaves the same parameters as the study's own step; the wrappers are removed after."""
+    from labutils.moe.gates import NoisyGate
+
+    train_step, cfg, fresh, _ = _tiny_runs()
+    original = NoisyGate.noisy_logits
+    model_a, opt_a, _, variant, data_a = fresh()
+    phases = train_step.instrumented_steps(model_a, opt_a, data_a, variant, steps=2)
+    assert NoisyGate.noisy_logits is original
+    for phase in ("router", "top-k", "aux loss", "sort/count", "scatter (gather rows)", "experts", "combine"):
+        assert phases[f"{phase} fwd"] > 0, phase
+    for phase in ("router", "aux loss", "scatter (gather rows)", "experts", "combine"):
+        assert phases[f"{phase} bwd"] > 0, phase
+    assert "FFN (fc1, GELU, fc2) fwd" not in phases                     # the MoE model has no dense MLP
+    model_b, _, step_b, _, _ = fresh()
+    step_b()
+    step_b()
+    for (n, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), n
+    # negative control: one step fewer is a different model, and the comparison sees it
+    model_c, _, step_c, _, _ = fresh()
+    step_c()
+    assert not all(torch.equal(a, c) for a, c in zip(model_a.parameters(), model_c.parameters()))
