@@ -828,7 +828,7 @@ def collective_bytes(numel=4096):
                             (world - 1) / world),
              "reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(numel // world), torch.zeros(numel)),
                                 (world - 1) / world)}
-    out = {"tensor bytes": numel * 4}
+    out: dict = {"tensor bytes": numel * 4}
     for name, (call, share) in calls.items():
         dist.barrier()
         with count_wire() as wire:

@@ -100,21 +100,27 @@ def _shard(ref: EPNet, d, h, ne, ep, groups) -> EPNet:
     return net
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        raise RuntimeError("sync_grads: a parameter has no gradient; call backward() first")
+    return p.grad
+
+
 def sync_grads(net: EPNet, bug: str, groups: dict) -> None:
     """Synchronise gradients after ``backward()``: the correct recipe, or the named bug (see the module doc)."""
     _check_bug(bug)
     world = dist.get_world_size()
-    router = [p.grad for n, p in net.named_parameters() if param_group(n) == "router"]
+    router = [_grad(p) for n, p in net.named_parameters() if param_group(n) == "router"]
     if bug == "DP mixes experts":                                          # everything averaged over every rank
         for p in net.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+            dist.all_reduce(_grad(p))
+            _grad(p).div_(world)
         return
-    saved = [g.clone() for g in router] if bug == "router unreduced" else None
+    saved = [g.clone() for g in router]
     allreduce_grouped_grads(net, expert_dp_group=groups["expert_dp_group"],
                             expert_scale="sum" if bug == "experts x EP" else "mean")
     if bug == "router unreduced":                                          # undo: keep the local gradient
-        for g, s in zip(router, saved or []):
+        for g, s in zip(router, saved):
             g.copy_(s)
     elif bug == "router twice":                                            # a second, summing reduction
         for g in router:
@@ -123,7 +129,7 @@ def sync_grads(net: EPNet, bug: str, groups: dict) -> None:
         dp = dist.get_world_size(groups["expert_dp_group"])                # summed: keep only the EP factor
         for n, p in net.named_parameters():
             if param_group(n) == "experts":
-                p.grad /= dp
+                _grad(p).div_(dp)
 
 
 def _backward(net, x, y, bug, groups) -> float:
@@ -180,7 +186,8 @@ def grad_check(bug: str, *, world: int = 2, ep: int = 2, d: int = 8, h: int = 16
     net = _shard(ref, d, h, ne, ep, groups)
     ref.zero_grad()
     (ref(torch.cat([x for x, _ in xs])) - torch.cat([y for _, y in xs])).pow(2).mean().backward()  # global mean
-    _backward(net, *xs[rank], bug, groups)
+    x_mine, y_mine = xs[rank]
+    _backward(net, x_mine, y_mine, bug, groups)
     grads = _compare({n: p.grad for n, p in net.named_parameters()},
                      _shard_like({n: p.grad for n, p in ref.named_parameters()}, groups["ep_rank"], ne), rtol, atol)
     adam = _compare(_adam_update(net), _shard_like(_adam_update(ref), groups["ep_rank"], ne), 1e-4, 1e-7)
@@ -199,6 +206,7 @@ def train_curves(bug: str, *, steps: int, world: int = 2, ep: int = 2, d: int = 
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        losses.append(_backward(net, *_data(seed, step, rank, tokens, d, teacher), bug, groups))
+        x, y = _data(seed, step, rank, tokens, d, teacher)
+        losses.append(_backward(net, x, y, bug, groups))
         opt.step()
     return losses

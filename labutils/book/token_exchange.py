@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,8 @@ class _LocalExperts(nn.Module):
 
     def __init__(self, gate: nn.Module, first: int, num_local: int):
         super().__init__()
-        self.gate, self.first, self.num_local = gate, first, num_local
+        self.gate: Any = gate  # a labutils.moe gate: (idx, score) = gate(x), get_loss, has_loss
+        self.first, self.num_local = first, num_local
 
     def forward(self, x):
         idx, score = self.gate(x)                                           # (N, k) global ids, (N, k)
@@ -98,8 +100,10 @@ def _lab_layer(design, full, experts, d, h, k, rank, world):
         return part
     part = FMoETransformerMLP(ne, d, h, top_k=k)                             # all-reduce: my experts only ...
     mine = shard_state(full.state_dict(), rank, ne)
-    part.experts.load_state_dict({n[len("experts."):]: v for n, v in mine.items() if n.startswith("experts.")})
-    part.gate = _LocalExperts(copy.deepcopy(full.gate), rank * ne, ne)      # ... behind the whole router
+    experts = part.experts
+    assert experts is not None  # FMoETransformerMLP always builds its experts
+    experts.load_state_dict({n[len("experts."):]: v for n, v in mine.items() if n.startswith("experts.")})
+    part.add_module("gate", _LocalExperts(copy.deepcopy(full.gate), rank * ne, ne))  # ... behind the whole router
     return part
 
 

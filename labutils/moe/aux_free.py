@@ -49,13 +49,15 @@ def update_expert_bias(model: nn.Module, center: bool = True) -> int:
     n = 0
     with torch.no_grad():
         for name, m in model.named_modules():  # a TopKRouter, or any router with the same three attributes
-            if (getattr(m, "expert_bias", None) is not None and getattr(m, "bias_rate", None) is not None
-                    and hasattr(m, "tokens_per_expert")):
-                check_expert_bias(m.expert_bias, f"{name or type(model).__name__}.expert_bias")
-                if m.tokens_per_expert.sum() > 0:
-                    m.expert_bias.copy_(bias_update(m.expert_bias, m.tokens_per_expert, m.bias_rate, center))
-                m.tokens_per_expert.zero_()
-                n += 1
+            bias, rate = getattr(m, "expert_bias", None), getattr(m, "bias_rate", None)
+            counts = getattr(m, "tokens_per_expert", None)
+            if not isinstance(bias, torch.Tensor) or rate is None or not isinstance(counts, torch.Tensor):
+                continue
+            check_expert_bias(bias, f"{name or type(model).__name__}.expert_bias")
+            if counts.sum() > 0:
+                bias.copy_(bias_update(bias, counts, rate, center))
+            counts.zero_()
+            n += 1
     return n
 
 
