@@ -258,8 +258,8 @@ def test_mask_rows_skip_experts_and_take_mask_dict_values(gate):
     torch.manual_seed(0)
     T, k = 8, 2
     mask = torch.zeros(T, dtype=torch.long)
-    mask[1], mask[4], mask[6] = 1, 2, 3                                # 3: no mask_dict entry -> zero
-    mask_dict = {1: torch.zeros(D), 2: torch.arange(D, dtype=torch.float32)}
+    mask[1], mask[4], mask[6] = 1, 2, 3                                # every mask value has an entry
+    mask_dict = {1: torch.zeros(D), 2: torch.arange(D, dtype=torch.float32), 3: torch.zeros(D)}
     rows_seen = []
 
     class Spy(FMoETransformerMLP):
