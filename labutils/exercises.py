@@ -38,6 +38,7 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write your solution here")'
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _GUARD_SWITCHES = frozenset({"setprofile", "settrace", "setprofile_all_threads", "settrace_all_threads"})
+_ALWAYS_OFF = frozenset({"_getframe", "_current_frames"})  # reading the checker's frames is never the exercise
 _TRUSTED: set = set()  # code objects of checker code that calls the student's function (see trusted())
 
 
@@ -228,6 +229,7 @@ def check_exercise(name: str, fn, reference, *cases, hidden=None, n_hidden: int 
     tensor, a number or a tuple of them; integer references are compared exactly, floats with ``rtol``/``atol``.
     Prints one line per visible case and raises AssertionError naming the failed cases (a blank exercise fails).
     """
+    ops = frozenset(ops)
     if hidden is None and n_hidden and not cases:
         raise ValueError(f"check_exercise({name!r}): give visible cases, hidden=, or both")
     if seed is None:
@@ -239,8 +241,7 @@ def check_exercise(name: str, fn, reference, *cases, hidden=None, n_hidden: int 
     failures, hidden_n, hidden_problems = [], 0, []
     for label, case, visible in all_cases:
         args = case if isinstance(case, tuple) else (case,)
-        want = reference(*args)
-        lines, ok = _run_case(f"{name} {label}", fn, args, want, rtol, atol, ops, forbidden, roots)
+        lines, ok = _run_case(f"{name} {label}", fn, args, reference, rtol, atol, ops, forbidden, roots)
         if visible:
             print("\n".join(lines))
         else:
@@ -259,17 +260,19 @@ def check_exercise(name: str, fn, reference, *cases, hidden=None, n_hidden: int 
     print(f"✅ {name}: all {len(all_cases)} cases match ({len(cases)} visible, {hidden_n} hidden)")
 
 
-def _run_case(label, fn, args, want, rtol, atol, ops, forbidden, roots) -> tuple:
-    """(lines to print, ok) for one case: the student's call under the guard, then the comparison."""
+def _run_case(label, fn, args, reference, rtol, atol, ops, forbidden, roots) -> tuple:
+    """(lines to print, ok) for one case: the student's call under the guard, THEN the reference (so no answer
+    sits in a caller's frame while the student's code runs: ``sys._getframe(1).f_locals`` finds none), then the
+    comparison."""
     try:
-        got, violations = guarded_call(fn, *args, ops=ops, objects=forbidden, roots=roots)
+        got, violations = guarded_call(fn, *args, ops=ops | _ALWAYS_OFF, objects=forbidden, roots=roots)
     except Exception as exc:  # a blank exercise, or the student's code failing on this case
         if _is_blank(exc):
             return [f"{label}: not written yet (NotImplementedError)"], False
         return [f"{label}: your function raised {type(exc).__name__}: {str(exc)[:200]}"], False
     if violations:
         return [f"{label}: OFF LIMITS: {violations[0]} (write it yourself)"], False
-    got_t, want_t = _as_tuple(got), _as_tuple(want)
+    got_t, want_t = _as_tuple(got), _as_tuple(reference(*args))
     if len(got_t) != len(want_t):
         return [f"{label}: returned {len(got_t)} values, expected {len(want_t)}"], False
     lines, ok = [], True

@@ -160,3 +160,29 @@ def test_a_library_imported_inside_the_exercise_is_covered_too():
         "    print('refused')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "refused" in out.stdout and "OFF LIMITS: calls deepspeed" in out.stdout, out.stdout + out.stderr
+
+
+def test_reading_the_checkers_frames_finds_no_answer_and_getframe_is_refused():
+    def walks_the_stack(g, e):
+        frame = sys._getframe(1)
+        while frame is not None:
+            for value in frame.f_locals.values():
+                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.Tensor):
+                    return value
+            frame = frame.f_back
+        return honest(g, e)
+
+    def walks_a_traceback(g, e):
+        try:
+            raise ValueError
+        except ValueError as exc:
+            tb = exc.__traceback__
+            frame = tb.tb_frame.f_back if tb is not None else None
+            while frame is not None:
+                if "want" in frame.f_locals:
+                    return frame.f_locals["want"]
+                frame = frame.f_back
+        raise KeyError("no answer in any frame")
+
+    must_fail(check, walks_the_stack)
+    must_fail(check, walks_a_traceback)
