@@ -234,3 +234,28 @@ def ranking_lines(record: dict, key: str = "final") -> list:
                 else f"not distinguishable from the best (p = {c.p:.3g})")
         lines.append(f"{v['name']:<30} {c.mean_a:.4f} ± {sd:.4f}   {c.diff:+.4f}  {word}")
     return lines
+
+
+CAUSAL_TOL = 1e-4  # nats: a variant whose prefix evaluation differs more than this saw later tokens
+
+
+def dense_verdicts(record: dict, tol: float = CAUSAL_TOL) -> dict:
+    """Every MoE variant of a full record against dense by Welch's t-test (:func:`labutils.stats.welch`) on the
+    last evaluation, ``name -> (Comparison, basis, causal)``: a variant is causal when its generation-style
+    (prefix) evaluation matches its full-forward one within ``tol`` on every seed; a leaky one (expert choice, a
+    capacity cut) is judged on its prefix evaluation, as it would generate. Needs ``final`` and
+    ``final_prefix`` per variant (records from ``benchmarks/modern_moe.py`` since the prefix evaluation)."""
+    from .stats import welch
+
+    by = {v["name"]: v for v in record["variants"]}
+    missing = [n for n, v in by.items() if not v.get("final_prefix")]
+    if "dense" not in by or missing:
+        raise ValueError(f"dense_verdicts needs a dense run and every variant's final_prefix; missing: {missing}")
+    out = {}
+    for name, v in by.items():
+        if name == "dense":
+            continue
+        causal = max(abs(a - b) for a, b in zip(v["final"], v["final_prefix"])) < tol
+        basis = "final" if causal else "final_prefix"
+        out[name] = (welch(v[basis], by["dense"]["final"], names=(name, "dense")), basis, causal)
+    return out

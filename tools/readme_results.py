@@ -102,9 +102,59 @@ def bench_token_exchange() -> str:
                               for per_w in (rec['worlds'][x] for x in worlds)) + f" at W = {', '.join(worlds)})")
 
 
+def bench_train_step() -> str:
+    r = _load("train_step.json")
+    q = r["moe_over_dense"]
+    return (f"chapter 05's full configuration ({r['config']['threads']} thread, {r['machine']['clock']}, load "
+            f"{r['machine']['load_avg_1min']:.0f} on {r['machine']['cores']} cores): MoE step / dense step "
+            f"{q['median']:.2f} [IQR {q['q1']:.2f}-{q['q3']:.2f}] over {r['config']['rounds']} paired rounds (target "
+            f"<= 1.20: NOT met); peak memory of a step {r['peak_moe_over_dense']:.2f}x dense's (target <= 1.3)")
+
+
+def bench_matmul() -> str:
+    r = _load("matmul.json")
+    sq = {row["n"]: row["gflops"] for row in r["square"]}
+    return (f"{sq[max(sq)]:.0f} GFLOP/s for a {max(sq)} square matmul ({r['machine']['torch_threads']} threads, "
+            f"{r['machine']['date'][:10]}); the shared machine's speed drifts, so only ratios taken in one run are "
+            "compared")
+
+
+def _modern() -> tuple:
+    from labutils import train_modern
+
+    rec = _load("modern_moe_full.json")
+    return rec, train_modern.dense_verdicts(rec)
+
+
+def ch09() -> str:
+    rec, v = _modern()
+    causal = [n for n, (_, _, c) in v.items() if c]
+    ahead = [n for n in causal if v[n][0].verdict == "ahead"]
+    leaky = [n for n, (_, _, c) in v.items() if not c]
+    return (f"the recorded run (preset full, {len(rec['preset']['seeds'])} seeds, {rec['preset']['steps']} steps, last "
+            f"evaluation): {len(ahead)} of {len(causal)} causally evaluated MoE variants ahead of dense (Welch, "
+            f"α = 0.05)" + (f"; {', '.join(leaky)} judged on prefixes (they see later tokens)" if leaky else ""))
+
+
+def bench_modern_moe() -> str:
+    rec, v = _modern()
+    by = {x["name"]: x for x in rec["variants"]}
+    dense = by["dense"]["final"]
+    best = min(v, key=lambda n: v[n][0].mean_a)
+    aux = by["top-2/8, sigmoid, aux-free"].get("balance") or {}
+    out = (f"{rec['wall_seconds'] / 60:.0f} min (preset full). Dense {sum(dense) / len(dense):.3f}; lowest MoE "
+           f"{best} {v[best][0].mean_a:.3f} ({v[best][0].verdict} vs dense, p = {v[best][0].p:.3g})")
+    if aux:
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        out += (f"; aux-free MaxVio {mean(aux['batch_max_over_mean']) - 1:.3f} per batch vs "
+                f"{mean(aux['window_max_over_mean']) - 1:.3f} per {aux['window_steps']}-step window")
+    return out
+
+
 GENERATORS = {"ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense, "bench-launch": bench_launch,
               "bench-comm": bench_comm, "bench-full-scale": bench_full_scale,
-              "bench-token-exchange": bench_token_exchange}
+              "bench-token-exchange": bench_token_exchange, "bench-train-step": bench_train_step,
+              "bench-matmul": bench_matmul, "ch09": ch09, "bench-modern-moe": bench_modern_moe}
 
 
 def generate(name: str) -> str:
