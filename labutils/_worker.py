@@ -268,6 +268,10 @@ def _init_process_group(rank: int, cfg: dict) -> None:
     store = dist.FileStore(cfg["store_path"], cfg["world_size"])  # pyright: ignore[reportPrivateImportUsage]
     dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=cfg["world_size"],
                             timeout=timedelta(seconds=cfg["pg_timeout"]), **kwargs)
+    # Every rank's side of gloo's full mesh is connected before anyone runs fn: a rank whose fn needs no
+    # collective could otherwise return and close its sockets while a peer is still connecting to it
+    # ("connectFullMesh failed ... Connection closed by peer", seen on a loaded machine).
+    dist.barrier()
 
 
 def _write(path: str, obj) -> None:

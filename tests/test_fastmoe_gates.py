@@ -434,7 +434,9 @@ def test_workers_equal_one_process_simulating_them_all(kind, batches, bias):
 def test_two_worker_gates_need_a_process_group():
     x = torch.randn(4, D)
     for gate in (SwitchGate(D, 2, 2, 1), DCGate(D, 2, 2), SwipeGate(D, 2, 2)):
-        with pytest.raises(RuntimeError, match="not initialised"), warnings.catch_warnings():
+        # no process group (the usual case), or a one-rank group an earlier test in this process left behind
+        with pytest.raises((RuntimeError, ValueError), match="not initialised|the process group has 1 ranks"), \
+                warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gate(x)
 
