@@ -354,11 +354,10 @@ def test_a_killed_callers_directory_goes_when_its_workers_exit(tmp_path):
 
 # -- load -----------------------------------------------------------------------------------------------------
 
-# The issue asks for 20 launches in a row at world size 8. Each launch starts a fresh interpreter that imports
-# torch: about 1.5 s on 2 idle cores, 6-12 s when the cores are shared with a load average near 20 (the 8 ranks
-# then take about a second). 20 took 290 s there, 8 took 96 s; the default is 5 (about a minute on such a busy
-# machine, 10-15 s on an idle one) and LAB_LOAD_LAUNCHES=20 runs the issue's count.
-LOAD_LAUNCHES = int(os.environ.get("LAB_LOAD_LAUNCHES", "5"))
+# The issue's count: 20 launches in a row at world size 8. Each launch starts a fresh interpreter that imports
+# torch: about 1.5 s on 2 idle cores (CI's machine), 6-12 s when the cores are shared with a load average near 20
+# (20 took 290 s there). LAB_LOAD_LAUNCHES=5 shortens it on a busy machine.
+LOAD_LAUNCHES = int(os.environ.get("LAB_LOAD_LAUNCHES", "20"))
 CONCURRENT = 3
 
 
