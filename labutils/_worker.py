@@ -297,11 +297,11 @@ def run_rank(rank: int, cfg: dict) -> None:
         import torch
 
         torch.set_num_threads(cfg["threads"])
-        _watch_collectives(rank, cfg)
         with open(os.path.join(tmp, "payload.pkl"), "rb") as f:
             payload = cloudpickle.load(f)
         _install_sources(payload["sources"])
         _init_process_group(rank, cfg)
+        _watch_collectives(rank, cfg)  # after init's own barrier: the watch counts the function's collectives only
         result = payload["fn"](*payload["args"], **payload["kwargs"])
         _write(os.path.join(tmp, f"result_{rank}.pkl"), result)
         _destroy()
