@@ -38,7 +38,9 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write your solution here")'
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _GUARD_SWITCHES = frozenset({"setprofile", "settrace", "setprofile_all_threads", "settrace_all_threads"})
-_ALWAYS_OFF = frozenset({"_getframe", "_current_frames"})  # reading the checker's frames is never the exercise
+# Reading the checker's frames is never the exercise; sys._getframe itself is called by torch's own code (the
+# distributed logger), so the defence is that no answer sits in any frame while the student's function runs.
+_ALWAYS_OFF = frozenset({"_current_frames"})
 _TRUSTED: set = set()  # code objects of checker code that calls the student's function (see trusted())
 
 
@@ -262,8 +264,8 @@ def check_exercise(name: str, fn, reference, *cases, hidden=None, n_hidden: int 
 
 def _run_case(label, fn, args, reference, rtol, atol, ops, forbidden, roots) -> tuple:
     """(lines to print, ok) for one case: the student's call under the guard, THEN the reference (so no answer
-    sits in a caller's frame while the student's code runs: ``sys._getframe(1).f_locals`` finds none), then the
-    comparison."""
+    sits in a caller's frame while the student's code runs: ``sys._getframe(1).f_locals`` finds none, and calling
+    the reference found there is a call into the package), then the comparison."""
     try:
         got, violations = guarded_call(fn, *args, ops=ops | _ALWAYS_OFF, objects=forbidden, roots=roots)
     except Exception as exc:  # a blank exercise, or the student's code failing on this case

@@ -162,7 +162,7 @@ def test_a_library_imported_inside_the_exercise_is_covered_too():
     assert "refused" in out.stdout and "OFF LIMITS: calls deepspeed" in out.stdout, out.stdout + out.stderr
 
 
-def test_reading_the_checkers_frames_finds_no_answer_and_getframe_is_refused():
+def test_reading_the_checkers_frames_finds_no_answer():
     def walks_the_stack(g, e):
         frame = sys._getframe(1)
         while frame is not None:
@@ -170,7 +170,7 @@ def test_reading_the_checkers_frames_finds_no_answer_and_getframe_is_refused():
                 if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.Tensor):
                     return value
             frame = frame.f_back
-        return honest(g, e)
+        raise KeyError("no answer in any frame")
 
     def walks_a_traceback(g, e):
         try:
