@@ -6,8 +6,9 @@ seed, and the data-limited control (the same models on ``control_chars`` trainin
     .venv/bin/python benchmarks/moe_vs_dense.py --preset tiny   # the chapter's CI-sized run (under a minute)
     .venv/bin/python benchmarks/moe_vs_dense.py --plot-only     # redraw the figure from the recorded JSON
 
-Each run uses one torch thread; ``--jobs`` runs go side by side (2 on the book's 2-core machine), so the
-wall-clock axis is CPU seconds of one core shared with one other run. The verdict lines are computed from the
+Each run uses one torch thread; ``--jobs`` runs go side by side (2 on the book's 2-core machine). The time axis
+is each run's own CPU seconds (``time.process_time``, evaluations left out), so a run is charged for its
+computation, not for time it waited while other work shared its core. The verdict lines are computed from the
 record by ``labutils.lm_study.summarize``; chapter 05 shows the recorded figure and verdict when present.
 The record is written to a ``.partial.json`` file and moved over the committed one only when every run has
 finished, so an interrupted study never replaces a complete record.

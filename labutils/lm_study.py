@@ -250,9 +250,11 @@ def file_coverage(corpus: Corpus, covered: torch.Tensor, files: list) -> dict:
 
 class TrainClock:
     """Training time with evaluations left out: :meth:`eval_start` returns (and records) the training seconds so
-    far, :meth:`eval_end` adds the evaluation's duration to what is subtracted. ``clock`` is the time source."""
+    far, :meth:`eval_end` adds the evaluation's duration to what is subtracted. ``clock`` is the time source: by
+    default the process's CPU seconds (``time.process_time``), so a run that shares its core with other work is
+    charged for its own computation, not for the time it waited."""
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.process_time):
         self.clock, self.t0, self.eval_seconds, self.train_seconds = clock, clock(), 0.0, []
         self._started = None
 
@@ -341,6 +343,7 @@ def _run_one(cfg: StudyConfig, name: str, seed: int) -> dict:
         layers = per_step.view(-1, window, *per_step.shape[1:]).sum(1).tolist()            # (windows, layers, E)
     return {"name": name, "seed": seed, "val_steps": [s for s, _ in result.val], "val": [v for _, v in result.val],
             "train_seconds": clock.train_seconds, "eval_seconds": clock.eval_seconds, "window": window,
+            "clock": getattr(clock.clock, "__name__", "custom"),
             "train_loss": losses.tolist(),
             "flops_per_step": train_flops_per_token(cfg, variant, corpus.vocab_size) * cfg.batch * cfg.block,
             "params": total, "load_layers": layers, "variant": asdict(variant)}
@@ -496,7 +499,8 @@ def summarize(record: dict, target_speedup: float = 1.3) -> dict:
         "equal_time": {"seconds": t_eq, "comparison": eq, "unreached": unreached,
                        "time_ratio": seed_bootstrap(dense_runs, moe_runs, _time_ratio),
                        "train_seconds": {n: c[n].seconds[-1] for n in MAIN},
-                       "jobs": record.get("jobs", 1), "threads": record["config"].get("threads", 1)},
+                       "jobs": record.get("jobs", 1), "threads": record["config"].get("threads", 1),
+                       "clock": dense_runs[0].get("clock", "perf_counter")},
     }
 
 
@@ -542,7 +546,9 @@ def verdict_lines(summary: dict, target_speedup: float | None = None) -> list:
         if share is not None else ""))
     lines.append(_ratio_sentence("steps for dense / steps for MoE to reach dense's final loss", s["speedup"], target))
     e = s["equal_time"]
-    how = (f"{e['jobs']} run(s) side by side, {e['threads']} thread each; training clocks exclude evaluations")
+    what = "CPU seconds of each process" if e.get("clock") == "process_time" else "wall-clock seconds"
+    how = (f"{e['jobs']} run(s) side by side, {e['threads']} thread each; training clocks count {what} and "
+           f"exclude evaluations")
     if e["comparison"] is None:
         lines.append(f"at equal CPU time ({e['seconds']:.0f} s of training): {e['unreached']} run(s) had no "
                      f"evaluation by then: no verdict ({how})")
