@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/grouped_mm.py --quick    # -> grouped_mm_quick.json
 
 For each (experts, tokens) shape: the routed experts' forward (and forward+backward) through
-``labutils.moe.grouped_experts.RoutedExperts`` with ``impl="loop"`` and ``impl="grouped"`` on the same weights
+``labutils.moe.modern.experts.RoutedExperts`` with ``impl="loop"`` and ``impl="grouped"`` on the same weights
 and the same expert-contiguous rows (random top-k routing), timed interleaved; medians with their IQR, and the
 paired per-round ratio loop/grouped (above 1: grouped is faster). Outputs are checked equal before timing.
 Not part of the tests: timings on a shared machine are not verdicts.
@@ -21,7 +21,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.moe.grouped_experts import RoutedExperts  # noqa: E402
+from labutils.moe.modern.experts import RoutedExperts  # noqa: E402
 from labutils.perf.timing import bench, clock_name, machine_info, paired_ratio, save_result, summarize  # noqa: E402
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/modern_moe.py            # -> benchmarks/results/modern_moe_full.json (about 20 min)
 
 Two variants run side by side, one torch thread each; each variant runs its seeds one after another with
-``labutils.train_modern.run_variant`` (the chapter's own runner), so ``LAB_PRESET=full`` in the chapter
+``labbook.train_modern.run_variant`` (the chapter's own runner), so ``LAB_PRESET=full`` in the chapter
 computes the same numbers. Per seed it records every evaluation (``final`` is the last one), the last model
 scored generation-style on prefixes (``final_prefix``) and each batch's own load balance beside the windowed one.
 """
@@ -16,7 +16,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils import train_modern  # noqa: E402
+from labbook import train_modern  # noqa: E402
 from labutils.perf.timing import machine_info, save_result  # noqa: E402
 
 

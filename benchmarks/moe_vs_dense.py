@@ -9,7 +9,7 @@ seed, and the data-limited control (the same models on ``control_chars`` trainin
 Each run uses one torch thread; ``--jobs`` runs go side by side (2 on the book's 2-core machine). The time axis
 is each run's own CPU seconds (``time.process_time``, evaluations left out), so a run is charged for its
 computation, not for time it waited while other work shared its core. The verdict lines are computed from the
-record by ``labutils.lm_study.summarize``; chapter 05 shows the recorded figure and verdict when present.
+record by ``labbook.lm_study.summarize``; chapter 05 shows the recorded figure and verdict when present.
 The record is written to a ``.partial.json`` file and moved over the committed one only when every run has
 finished, so an interrupted study never replaces a complete record.
 """
@@ -24,7 +24,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils import lm_study  # noqa: E402
+from labbook import lm_study  # noqa: E402
 from labutils.perf.timing import machine_info, save_result  # noqa: E402
 
 

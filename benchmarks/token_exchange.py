@@ -5,7 +5,7 @@ DeepSpeed's padded capacity buffers (drop_tokens True and False) and Hugging Fac
     .venv/bin/python benchmarks/token_exchange.py            # W = 2, 4, 8 -> benchmarks/results/token_exchange.json
     .venv/bin/python benchmarks/token_exchange.py --quick    # W = 2, small -> token_exchange_quick.json
 
-For each world size and design (``labutils.book.token_exchange.run_design``, workers from ``labutils.launch``):
+For each world size and design (``labbook.token_exchange.run_design``, workers from ``labutils.launch``):
 the largest output/gradient difference from one process holding every expert, the bytes each rank puts on the
 wire per training step (forward, backward and the router's gradient reduction), counted by the kernel
 (``labutils.wire``), and the step time: per step the slowest rank, then the median and quartiles over steps.
@@ -21,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.book.token_exchange import DESIGNS, run_design  # noqa: E402
+from labbook.token_exchange import DESIGNS, run_design  # noqa: E402
 from labutils.launcher import launch  # noqa: E402
 from labutils.perf.timing import machine_info, quartiles, save_result  # noqa: E402
 

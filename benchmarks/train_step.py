@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/train_step.py --rounds 20 --out train_step_quick.json
 
 The models, batch, block, learning rate and thread count are chapter 05's ``full`` preset
-(``labutils.lm_study.PRESETS["full"]``): d 64, 2 layers, E 8, top-2, equal active FFN FLOPs, batch 32 x block 64,
+(``labbook.lm_study.PRESETS["full"]``): d 64, 2 layers, E 8, top-2, equal active FFN FLOPs, batch 32 x block 64,
 Adam, 1 torch thread per run. A step is the study's own (``labutils.train._step``: forward, task loss + aux loss,
 ``zero_grad``, backward, ``optimizer.step``) on the study's batches (``CharBatches`` over the stdlib corpus).
 
@@ -46,7 +46,7 @@ if OTHER:
 
 import torch  # noqa: E402
 
-from labutils import lm_study  # noqa: E402
+from labbook import lm_study  # noqa: E402
 from labutils.data import CharBatches  # noqa: E402
 from labutils.moe.gates import collect_aux_loss  # noqa: E402
 from labutils.perf.timing import clock, clock_name, machine_info, paired_ratio, peak_memory, quartiles, save_result  # noqa: E402

@@ -36,7 +36,6 @@ _EXPORTS = {
     "plot_losses": "plotting", "plot_param_counts": "plotting", "plot_expert_load": "plotting",
     "count_params": "params", "ParamCounts": "params",
     "env_report": "nbtools", "show_source": "nbtools", "seed_everything": "nbtools",
-    "check_exercise": "exercises",
     "collect_aux_loss": "moe",
     "GroupedDataParallel": "data_parallel", "allreduce_grouped_grads": "data_parallel",
     "mark_expert_params": "data_parallel",

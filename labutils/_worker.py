@@ -150,7 +150,7 @@ def status_code(status: int) -> int:
 
 # -- the collective watch (runs in each rank) ----------------------------------------------------------
 # Compiled under a file name outside this package: the wrappers sit between a user's function and torch, and
-# the exercise checkers' guard (labutils.exercises) refuses calls into the package, so a student's own
+# the exercise checkers' guard (labbook.exercises) refuses calls into the package, so a student's own
 # dist.all_gather must not look like one. The wrappers call nothing of the package.
 _WATCH_FILE = "<launch collective watch>"
 _WATCH_SOURCE = """

@@ -1,6 +1,6 @@
 """Run a function on local distributed workers from a notebook cell. (Taught in chapter 00.)
 
-    from labutils import launch
+    from . import launch
 
     def hello(scale):
         import torch, torch.distributed as dist

@@ -17,15 +17,15 @@ import pytest
 import torch
 from launch_helpers import new_tag, tagged_pids, wait_gone
 
+from labbook.lm_study import StudyConfig, variants
 from labutils import WorkerError, count_params, launch, worker_info
 from labutils.data import RandomPairs
 from labutils.launcher import MISMATCH_S, TMP_PREFIX
-from labutils.lm_study import StudyConfig, variants
 from labutils.models import SeqRegressor, make_ffn
 from labutils.moe import DCGate, FMoE, GShardGate, SwitchGate
-from labutils.moe.aux_free import attach_bias_update, bias_update, update_expert_bias
-from labutils.moe.expert_choice import expert_capacity, expert_choice_route
-from labutils.moe.modern_layer import ModernMoE
+from labutils.moe.modern.aux_free import attach_bias_update, bias_update, update_expert_bias
+from labutils.moe.modern.expert_choice import expert_capacity, expert_choice_route
+from labutils.moe.modern.layer import ModernMoE
 from labutils.train import CheckpointError, load_checkpoint, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -273,7 +273,7 @@ def student_gather():
 
 
 def guarded_student_gather():
-    from labutils.exercises import guarded_call
+    from labbook.exercises import guarded_call
     return guarded_call(student_gather)
 
 
@@ -398,7 +398,7 @@ def test_load_many_launches_in_a_row_and_at_once_leave_nothing(own_tmp):
 def test_a_router_used_alone_refuses_a_nan_expert_bias():
     import torch
 
-    from labutils.moe.routers import TopKRouter
+    from labutils.moe.modern.routers import TopKRouter
 
     router = TopKRouter(8, 4, 2, bias_rate=0.01)
     with torch.no_grad():

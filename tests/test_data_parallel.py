@@ -2,7 +2,7 @@
 
 Ports the CPU-applicable checks of PyTorch's test/distributed/_composable/test_replicate.py and
 test/distributed/_spmd/test_data_parallel.py (whose `_spmd.compile` API no longer exists: fully_shard and
-replicate replace it). The models and workers are chapter 07's, imported from `labutils.toys`. Each test
+replicate replace it). The models and workers are chapter 07's, imported from `labbook.toys`. Each test
 batches its checks into one `launch` (a launch costs ~1.5 s plus imports).
 """
 from __future__ import annotations
@@ -11,16 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from labutils import launch, toys
-from labutils.data_parallel import (
-    GroupedDataParallel,
-    allreduce_grouped_grads,
-    grad_group,
-    is_expert_param,
-    mark_expert_params,
-    split_dense_expert,
-)
-from labutils.toys import (
+from labbook import toys
+from labbook.toys import (
     COST_MODES,
     FSDP_CASES,
     Net,
@@ -35,6 +27,15 @@ from labutils.toys import (
     moe_checks,
     moe_ep_groups,
     replicate_checks,
+)
+from labutils import launch
+from labutils.data_parallel import (
+    GroupedDataParallel,
+    allreduce_grouped_grads,
+    grad_group,
+    is_expert_param,
+    mark_expert_params,
+    split_dense_expert,
 )
 
 

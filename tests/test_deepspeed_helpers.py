@@ -1,6 +1,6 @@
 """labutils.ds: DeepSpeed in one process and in launch workers, the prebuilt op, quiet output,
 ep_size=2 parity and the capacity-agreement guard (all with the real DeepSpeed, never mocked). The ep_size=2 and
-capacity-guard workers are chapter 02's, imported from labutils.toys."""
+capacity-guard workers are chapter 02's, imported from labbook.toys."""
 import json
 import os
 import pathlib
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from labbook.toys import capacity_pitfall, ep_parity
 from labutils.launcher import WorkerError, launch
-from labutils.toys import capacity_pitfall, ep_parity
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 D, E = 8, 4

@@ -1,4 +1,4 @@
-"""labutils.diagrams: the chapter diagrams draw from real routings and refuse input they cannot draw."""
+"""labbook.diagrams: the chapter diagrams draw from real routings and refuse input they cannot draw."""
 from __future__ import annotations
 
 import matplotlib
@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from labutils.diagrams import plot_capacity_dispatch, plot_expert_parallel  # noqa: E402
+from labbook.diagrams import plot_capacity_dispatch, plot_expert_parallel  # noqa: E402
 
 
 def _texts(fig):

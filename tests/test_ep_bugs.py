@@ -1,9 +1,9 @@
-"""Chapter 06's expert-parallel bug classes (labutils.book.ep_bugs): the W-workers == 1-process gradient check
+"""Chapter 06's expert-parallel bug classes (labbook.ep_bugs): the W-workers == 1-process gradient check
 passes the correct synchronisation at 1e-5 and fails each bug naming the parameter group that is wrong."""
 import pytest
 
+from labbook import ep_bugs
 from labutils import launch
-from labutils.book import ep_bugs
 
 pytestmark = pytest.mark.dist
 

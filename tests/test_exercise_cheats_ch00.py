@@ -1,12 +1,12 @@
-"""Red team for chapter 00's exercise checkers (labutils.book.checkers.ch00): the honest solutions pass; the library,
+"""Red team for chapter 00's exercise checkers (labbook.checkers.ch00): the honest solutions pass; the library,
 a sibling that computes the same thing, a lookup table of the visible cases and the known wrong answers fail."""
 import pytest
 import torch
 import torch.distributed as dist
 from cheats import must_fail, must_pass
 
+from labbook.checkers import ch00
 from labutils import count_params
-from labutils.book.checkers import ch00
 
 # --- exercise 1: gather_values, run on every rank ---------------------------------------------------------------
 

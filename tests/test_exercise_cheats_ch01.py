@@ -1,4 +1,4 @@
-"""Red team for chapter 01's exercise checkers (labutils.book.checkers.ch01): per exercise the honest solution
+"""Red team for chapter 01's exercise checkers (labbook.checkers.ch01): per exercise the honest solution
 passes, and the library function, a sibling in labutils that computes the same thing, a lookup table of the
 visible cases, and the chapter's known wrong answers fail."""
 import math
@@ -7,11 +7,12 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch01
-from labutils.moe import FMoETransformerMLP, NaiveGate, SwitchGate, count_by_gate, drop_over_capacity, fastmoe_api
+from labbook.checkers import ch01
+from labutils.moe import FMoETransformerMLP, NaiveGate, SwitchGate, count_by_gate, drop_over_capacity
 from labutils.moe.capacity import limit_by_capacity, position_in_expert
+from labutils.moe.fastmoe import api as fastmoe_api
+from labutils.moe.modern.losses import balance_loss
 from labutils.moe.reference import reference_moe
-from labutils.moe.router_losses import balance_loss
 
 
 def _key(t):

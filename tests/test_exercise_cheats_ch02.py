@@ -1,4 +1,4 @@
-"""Red team for chapter 02's exercise checkers (labutils.book.checkers.ch02): per exercise the honest solution
+"""Red team for chapter 02's exercise checkers (labbook.checkers.ch02): per exercise the honest solution
 passes, and the library function, its siblings in labutils and DeepSpeed, a lookup table of the visible cases, the
 notebook globals that held answers, and the chapter's known wrong answers (a capacity rounded in float64 or exactly)
 fail."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch02
+from labbook.checkers import ch02
 from labutils.ds import import_deepspeed
 from labutils.ds.gating import Routing, ds_capacity, exact_capacity, top1_routing, top2_routing, topk_routing
-from labutils.moe.router_losses import balance_loss
+from labutils.moe.modern.losses import balance_loss
 
 import_deepspeed()
 from deepspeed.moe import sharded_moe  # noqa: E402

@@ -1,11 +1,11 @@
-"""Red team for chapter 03's exercise (labutils/book/checkers/ch03.py): the honest count passes; the library, a
+"""Red team for chapter 03's exercise (labbook/checkers/ch03.py): the honest count passes; the library, a
 module built and counted by hand, a lookup table of the visible cases, the notebook's own counts and a count off
 by the router's biases (which a relative tolerance let through) all fail."""
 import torch
 from cheats import must_fail, must_pass
 
+from labbook.checkers import ch03
 from labutils import count_params
-from labutils.book.checkers import ch03
 from labutils.moe import FMoETransformerMLP, NaiveGate
 from labutils.moe.layers import FMoE
 

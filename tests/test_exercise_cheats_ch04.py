@@ -1,4 +1,4 @@
-"""Red team for chapter 04's exercise checkers (labutils.book.checkers.ch04): per exercise the honest solution
+"""Red team for chapter 04's exercise checkers (labbook.checkers.ch04): per exercise the honest solution
 passes, and the library function, its siblings in labutils and DeepSpeed (``top1gating``'s ``l_aux`` is the same
 number as top-2's), a lookup table of the visible cases, the notebook's ``l_aux_by_hand`` and the chapter's known
 wrong answers fail: the capacity rounded in float64, which the chapter's own solution did (issue 24)."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch04
+from labbook.checkers import ch04
 from labutils.ds import import_deepspeed
 from labutils.ds.gating import ds_capacity, exact_capacity, top1_routing, top2_routing, topk_routing
-from labutils.moe.router_losses import balance_loss
+from labutils.moe.modern.losses import balance_loss
 
 import_deepspeed()
 from deepspeed.moe import sharded_moe  # noqa: E402

@@ -1,4 +1,4 @@
-"""Red team for chapter 05's exercise checkers (labutils.book.checkers.ch05): each honest solution passes, and the
+"""Red team for chapter 05's exercise checkers (labbook.checkers.ch05): each honest solution passes, and the
 library function, a sibling that computes the same thing, a lookup table of the visible cases, the notebook's
 global record, and the chapter's likely wrong answers all fail."""
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils import lm_study, train_modern
-from labutils.book.checkers import ch05
+from labbook import lm_study, train_modern
+from labbook.checkers import ch05
 
 # --- exercise 1: balance_entropy ------------------------------------------------------------------------------
 

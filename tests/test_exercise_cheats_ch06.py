@@ -1,4 +1,4 @@
-"""Red team for chapter 06's exercise checkers (labutils.book.checkers.ch06): per exercise the honest solution
+"""Red team for chapter 06's exercise checkers (labbook.checkers.ch06): per exercise the honest solution
 passes, and the library function, its siblings in labutils and DeepSpeed, a lookup table of the visible cases, a
 notebook global and the chapter's known wrong answers fail: for the dispatch bytes, the capacity rounded in float64
 (the chapter's old solution, issue 30), by ``int()`` or ``round()``, or as an exact fraction."""
@@ -10,13 +10,13 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch06
+from labbook.checkers import ch06
 from labutils.collectives import AllGatherFunction
 from labutils.ds import import_deepspeed
 from labutils.ds.gating import ds_capacity, exact_capacity
 from labutils.moe import traffic
 from labutils.moe.expert_parallel import local_order
-from labutils.moe.fastmoe_api import AllGather
+from labutils.moe.fastmoe.api import AllGather
 from labutils.moe.functions import count_by_gate
 
 import_deepspeed()

@@ -1,4 +1,4 @@
-"""Red team for chapter 07's exercise checkers (labutils.book.checkers.ch07): the honest solutions pass; the library,
+"""Red team for chapter 07's exercise checkers (labbook.checkers.ch07): the honest solutions pass; the library,
 a sibling that computes the same thing, a lookup table of the visible cases and the chapter's known wrong answers
 (the old model solution that drops rows, torch.chunk, fastmoe's scale) fail. No workers: both exercises run in one
 process."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch07
+from labbook.checkers import ch07
 
 # --- exercise 1: shard_batch -------------------------------------------------------------------------------------
 
@@ -35,7 +35,7 @@ def numpy_array_split(x, rank, world, dim):  # the same rule through numpy
 
 
 def library_batch_rows(x, rank, world, dim):  # the book's own row rule (equal splits)
-    from labutils.toys import batch_rows
+    from labbook.toys import batch_rows
     return x.narrow(dim, batch_rows(x.shape[dim], rank, world).start, x.shape[dim] // world)
 
 

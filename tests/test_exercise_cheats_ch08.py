@@ -1,4 +1,4 @@
-"""Red team for chapter 08's exercise checkers (labutils/book/checkers/ch08.py): the honest solution passes, every
+"""Red team for chapter 08's exercise checkers (labbook/checkers/ch08.py): the honest solution passes, every
 shortcut fails. Exercise 1: the combine as one index_add (and its timing harness); exercise 2: the one-hot einsums'
 FLOP overhead."""
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch08
+from labbook.checkers import ch08
 from labutils.moe import combine, gather, gather_combine
 from labutils.moe.functions import MOEGatherCombine
 
@@ -177,5 +177,5 @@ def test_the_chapter_gives_no_answer_away():
     assert len(checkers) >= 3, "chapter 08 has three exercise checker cells"
     for src in checkers:
         code = [line for line in src.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-        assert all("ch08." in line or line.startswith(("from labutils.book", "import")) for line in code), src
+        assert all("ch08." in line or line.startswith(("from labbook", "import")) for line in code), src
         assert "def " not in src and "lambda" not in src and "E * C" not in src, src

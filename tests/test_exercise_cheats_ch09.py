@@ -1,4 +1,4 @@
-"""Red team for chapter 09's exercises (labutils/book/checkers/ch09.py): the honest bias update and expert choice
+"""Red team for chapter 09's exercises (labbook/checkers/ch09.py): the honest bias update and expert choice
 pass; the library functions, their siblings (``update_expert_bias``, a copy of ``bias_update``'s code object,
 ``reference_routes``, ``ModernMoE``'s own routing), lookup tables of the visible cases and the chapter's known wrong
 answers (no mean-centring, ties to the later token, float64 gates) all fail."""
@@ -7,12 +7,12 @@ import types
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.book.checkers import ch09
-from labutils.moe.aux_free import bias_update, update_expert_bias
-from labutils.moe.expert_choice import expert_choice_route
-from labutils.moe.modern_layer import ModernMoE
-from labutils.moe.modern_reference import reference_routes
-from labutils.moe.routers import TopKRouter
+from labbook.checkers import ch09
+from labutils.moe.modern.aux_free import bias_update, update_expert_bias
+from labutils.moe.modern.expert_choice import expert_choice_route
+from labutils.moe.modern.layer import ModernMoE
+from labutils.moe.modern.reference import reference_routes
+from labutils.moe.modern.routers import TopKRouter
 
 # --- exercise 1: the bias update -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The exercise-checker core (labutils.exercises): the guard sees every way into the library, hidden cases beat a
+"""The exercise-checker core (labbook.exercises): the guard sees every way into the library, hidden cases beat a
 lookup table, integers are compared exactly. Chapter checkers are red-teamed in test_exercise_cheats_chNN.py."""
 import functools
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labutils.exercises import Guard, OffLimits, check_exercise, forbid, guarded_call, trusted
+from labbook.exercises import Guard, OffLimits, check_exercise, forbid, guarded_call, trusted
 from labutils.moe import FMoETransformerMLP, count_by_gate
 from labutils.moe.functions import MOEGatherCombine
 
@@ -148,7 +148,7 @@ def test_a_library_imported_inside_the_exercise_is_covered_too():
 
     code = (
         "import sys\n"
-        "from labutils.exercises import check_exercise\n"
+        "from labbook.exercises import check_exercise\n"
         "assert 'deepspeed' not in sys.modules\n"
         "def cheat(S, E):\n"
         "    from deepspeed.moe.sharded_moe import _capacity\n"

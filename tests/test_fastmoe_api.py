@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labutils.moe import FMoE, FMoETransformerMLP, NaiveGate
-from labutils.moe.fastmoe_api import (
+from labutils.moe.fastmoe.api import (
     MOEGather,
     MOEScatter,
     _fmoe_general_global_forward,
@@ -367,7 +367,7 @@ def test_fmoe_linear_has_fastmoe_layout():
 @pytest.mark.skipif(not torch.cuda.is_available() or not __import__("labutils.optional").optional.available("fmoe"),
                     reason="real fastmoe (fmoe) needs CUDA and its compiled extension; not importable here")
 def test_functional_api_and_mask_match_real_fastmoe():
-    from labutils.moe.fastmoe_compat import compare_api_with_fastmoe
+    from labutils.moe.fastmoe.compat import compare_api_with_fastmoe
 
     report = compare_api_with_fastmoe()
     assert report.ok, report.table()

@@ -93,7 +93,7 @@ def _functional_worker(cap: int):
     import torch
     import torch.distributed as dist
 
-    from labutils.moe.fastmoe_api import (
+    from labutils.moe.fastmoe.api import (
         _fmoe_general_global_forward,
         count_by_gate,
         ensure_comm,

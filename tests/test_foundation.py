@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from labbook.exercises import check_exercise, strip_solution
 from labutils import check, cmp, compare_models, count_params, plot_expert_load, plot_losses, plot_param_counts
-from labutils.exercises import check_exercise, strip_solution
 from labutils.presets import preset_name, select_preset
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from labutils import lm_study
+from labbook import lm_study
 from labutils.data import VOCAB, is_validation_file, stdlib_file_corpus, stdlib_sources
 
 TINY = dataclasses.replace(lm_study.PRESETS["tiny"], steps=6, eval_every=3, val_tokens=2048, ablations=("top-1",))

@@ -1,4 +1,4 @@
-"""Chapter 09's modern MoE pieces against brute-force references (labutils.moe.modern_reference) and formulas."""
+"""Chapter 09's modern MoE pieces against brute-force references (labutils.moe.modern.reference) and formulas."""
 from __future__ import annotations
 
 import math
@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from labutils.moe.aux_free import attach_bias_update, bias_update, update_expert_bias
-from labutils.moe.expert_choice import expert_capacity, expert_choice_route
-from labutils.moe.grouped_experts import RoutedExperts, grouped_matmul, loop_matmul
-from labutils.moe.modern_layer import ModernMoE, keep_within_capacity
-from labutils.moe.modern_reference import reference_modern_moe
-from labutils.moe.router_losses import balance_loss, z_loss
-from labutils.moe.routers import TopKRouter
-from labutils.moe.shared_experts import SharedExperts
+from labutils.moe.modern.aux_free import attach_bias_update, bias_update, update_expert_bias
+from labutils.moe.modern.expert_choice import expert_capacity, expert_choice_route
+from labutils.moe.modern.experts import RoutedExperts, grouped_matmul, loop_matmul
+from labutils.moe.modern.layer import ModernMoE, keep_within_capacity
+from labutils.moe.modern.losses import balance_loss, z_loss
+from labutils.moe.modern.reference import reference_modern_moe
+from labutils.moe.modern.routers import TopKRouter
+from labutils.moe.modern.shared import SharedExperts
 
 D, H, E = 8, 12, 6
 
@@ -237,8 +237,8 @@ def test_bad_inputs_are_named():
 
 
 def test_runner_records_curves_and_load():
+    from labbook.train_modern import run_variant, summary_row
     from labutils.data import char_corpus
-    from labutils.train_modern import run_variant, summary_row
     corpus = char_corpus("def f(x):\n    return x + 1\n" * 400, val_every=5, chunk=256)
     cfg = SimpleNamespace(d_model=16, n_heads=2, n_layers=1, block=8, batch=4, steps=6, lr=1e-2, eval_every=3)
     res = run_variant(lambda: ModernMoE(16, 16, 4, 2, score_func="sigmoid", bias_rate=0.01, capacity_factor=1.0),
@@ -252,9 +252,9 @@ def test_runner_records_curves_and_load():
 
 
 def test_prefix_loss_equals_the_full_forward_for_a_causal_model_and_not_for_expert_choice():
+    from labbook.train_modern import prefix_loss
     from labutils.models import CharLM
     from labutils.train import evaluate_loss, lm_cross_entropy
-    from labutils.train_modern import prefix_loss
 
     ids = torch.randint(0, 20, (6, 12), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
@@ -270,7 +270,7 @@ def test_prefix_loss_equals_the_full_forward_for_a_causal_model_and_not_for_expe
 
 
 def test_per_batch_balance_sees_what_a_window_sum_hides():
-    from labutils.train_modern import balance_stats, per_batch_balance
+    from labbook.train_modern import balance_stats, per_batch_balance
 
     counts = torch.tensor([[30, 10], [10, 30]] * 5)                  # (10 steps, 2 experts): alternating
     busiest, quietest = per_batch_balance(counts)
@@ -280,7 +280,7 @@ def test_per_batch_balance_sees_what_a_window_sum_hides():
 
 
 def test_chapter_09_variants_and_the_ranking_of_a_record():
-    from labutils import train_modern
+    from labbook import train_modern
 
     table = train_modern.variants(16, 1e-3)
     assert len(table) == 10 and all(isinstance(make(), torch.nn.Module) for make in table.values())
@@ -293,7 +293,7 @@ def test_chapter_09_variants_and_the_ranking_of_a_record():
 
 
 def test_an_empty_record_cannot_be_ranked():
-    from labutils import train_modern
+    from labbook import train_modern
 
     with pytest.raises(ValueError, match="no variant"):
         train_modern.ranking_lines({"variants": []})

@@ -21,7 +21,7 @@ from labutils.moe import (
     collect_aux_loss,
     count_by_gate,
 )
-from labutils.moe.fastmoe_compat import copy_moe_weights, fused_grads
+from labutils.moe.fastmoe.compat import copy_moe_weights, fused_grads
 from labutils.moe.reference import (
     reference_count_by_gate,
     reference_moe,
@@ -314,7 +314,7 @@ def test_weight_copy_between_fused_and_per_expert_layouts():
 @pytest.mark.skipif(not available("fmoe") or not torch.cuda.is_available(),
                     reason="real fastmoe (fmoe) needs CUDA and its compiled extension; not importable here")
 def test_matches_real_fastmoe():
-    from labutils.moe.fastmoe_compat import compare_with_fastmoe
+    from labutils.moe.fastmoe.compat import compare_with_fastmoe
     compare_with_fastmoe().assert_ok()
 
 

@@ -114,7 +114,7 @@ def test_exercises_are_well_formed(built, path):
         assert nxt is not None and "checker" in student.tags(nxt), \
             f"{path.name}: the code cell after a solution must be tagged 'checker':\n{stripped}"
         assert "check_exercise" in nxt.source or re.search(r"\bch\d\d\.check_\w+\(", nxt.source), \
-            f"{path.name}: a checker cell must call check_exercise or a labutils.book.checkers chNN.check_* function"
+            f"{path.name}: a checker cell must call check_exercise or a labbook.checkers chNN.check_* function"
 
 
 @pytest.mark.skipif(not (ROOT / "notebooks" / "00_setup.ipynb").exists(), reason="chapter 00 not written")

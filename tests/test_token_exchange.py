@@ -1,9 +1,9 @@
-"""Chapter 06's three ways to move tokens (labutils.book.token_exchange): each design equals one process holding
+"""Chapter 06's three ways to move tokens (labbook.token_exchange): each design equals one process holding
 every expert, outputs and gradients, and its bytes are counted on the wire."""
 import pytest
 
+from labbook import token_exchange as tx
 from labutils import launch
-from labutils.book import token_exchange as tx
 
 pytestmark = pytest.mark.dist
 

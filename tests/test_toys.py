@@ -1,4 +1,4 @@
-"""labutils.toys: one copy of chapters 02 and 07's small models and workers (no worker started here)."""
+"""labbook.toys: one copy of chapters 02 and 07's small models and workers (no worker started here)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,7 @@ import sys
 import cloudpickle
 import torch
 
-from labutils import toys
+from labbook import toys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKERS = (toys.ddp_run, toys.ddp_controls, toys.replicate_checks, toys.fsdp_vs_ddp, toys.moe_checks,
@@ -27,7 +27,7 @@ def test_workers_ship_by_reference():
 
 
 def test_importing_toys_does_not_import_deepspeed():
-    code = "import sys, labutils.toys; print('deepspeed' in sys.modules)"
+    code = "import sys, labbook.toys; print('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -44,7 +44,7 @@ def test_chapters_import_toys_instead_of_defining_them():
                 tree = ast.parse("".join(cell["source"]))
                 defined |= {node.name for node in tree.body
                             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names}
-        assert not defined, f"{chapter} defines {sorted(defined)} again: import them from labutils.toys"
+        assert not defined, f"{chapter} defines {sorted(defined)} again: import them from labbook.toys"
 
 
 def test_tiny_moe_single_process_picks_one_expert_per_token():

@@ -293,7 +293,7 @@ def _tiny_runs():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import train_step
 
-    from labutils import lm_study
+    from labbook import lm_study
     from labutils.data import CharBatches
 
     cfg = lm_study.PRESETS["tiny"]

@@ -31,7 +31,7 @@ def runtime(chapter: str) -> str:
 
 
 def ch05() -> str:
-    from labutils import lm_study
+    from labbook import lm_study
 
     rec = _load("moe_vs_dense_full.json")
     s = lm_study.summarize(rec)
@@ -49,7 +49,7 @@ def ch05() -> str:
 
 
 def bench_moe_vs_dense() -> str:
-    from labutils import lm_study
+    from labbook import lm_study
 
     rec = _load("moe_vs_dense_full.json")
     s = lm_study.summarize(rec)
@@ -126,7 +126,7 @@ def bench_matmul() -> str:
 
 
 def _modern() -> tuple:
-    from labutils import train_modern
+    from labbook import train_modern
 
     rec = _load("modern_moe_full.json")
     return rec, train_modern.dense_verdicts(rec)

@@ -5,7 +5,7 @@
     python tools/student.py notebooks/00_setup.ipynb --out /tmp/student --check
 
 In each cell tagged ``solution`` the lines between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` become
-``raise NotImplementedError(...)`` (``labutils.exercises.strip_solution``); every output and execution count
+``raise NotImplementedError(...)`` (``labbook.exercises.strip_solution``); every output and execution count
 is cleared. ``--check`` executes each copy and requires: no error before the first ``checker`` cell (a
 solution cell may only raise NotImplementedError), every ``checker`` cell raises AssertionError or
 NotImplementedError on the blank solution (or an error that names it, as ``launch``'s WorkerError does when
@@ -26,7 +26,7 @@ import nbformat
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this script runs from a checkout; labutils is the one next to it
 
-from labutils.exercises import BEGIN, END, STUB, strip_solution  # noqa: E402
+from labbook.exercises import BEGIN, END, STUB, strip_solution  # noqa: E402
 
 __all__ = ["BEGIN", "END", "STUB", "chapters", "tags", "student_copy", "build", "problems", "execute"]
 CHECKER_ERRORS = ("AssertionError", "NotImplementedError")  # what a checker may raise on a blank exercise

@@ -1,6 +1,6 @@
 """Run the real DeepSpeed inside a notebook or `launch` workers, quietly. (Taught in chapter 02.)
 
-    from labutils.ds import init_deepspeed
+    from . import init_deepspeed
     init_deepspeed()            # single process (gloo) in a notebook; adopts the group inside launch workers
 
 * :func:`import_deepspeed` imports DeepSpeed with its CPU accelerator chosen explicitly (``DS_ACCELERATOR=cpu``

@@ -2,14 +2,14 @@
 
 Same names, signatures and data flow as fastmoe (``fmoe``), runnable anywhere:
 
-    from labutils.moe import FMoETransformerMLP, GShardGate, collect_aux_loss
+    from . import FMoETransformerMLP, GShardGate, collect_aux_loss
     layer = FMoETransformerMLP(num_expert=8, d_model=64, d_hidden=256, top_k=2, gate=GShardGate)
     y = layer(x)                      # (..., 64) -> (..., 64)
     loss = task_loss + 0.01 * collect_aux_loss(model)
 
 ``labutils.moe.expert_parallel`` (chapter 06) adds the expert-parallel exchange used when ``world_size > 1``.
 fastmoe's functional API (``fmoe.functions``: ``count_by_gate`` -> ``(pos, lec, gec)``, ``MOEScatter``, ...) is
-``labutils.moe.fastmoe_api``; fastmoe's ``DistributedGroupedDataParallel`` is in ``labutils.data_parallel``.
+``labutils.moe.fastmoe.api``; fastmoe's ``DistributedGroupedDataParallel`` is in ``labutils.data_parallel``.
 """
 from .balance_gates import DCGate, SwipeGate, ZeroGate
 from .capacity import drop_over_capacity, limit_by_capacity, position_in_expert

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives import require_process_group
-from .fastmoe_api import AllGather, Slice, mark_module_parallel_comm, slice_sizes
+from .fastmoe.api import AllGather, Slice, mark_module_parallel_comm, slice_sizes
 from .functions import (
     check_gate_output,
     check_top_k,

@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import stats
-from .data import CharBatches, Corpus, stdlib_file_corpus
-from .models import CharLM, make_ffn
-from .train import lm_cross_entropy, train
+from labutils import stats
+from labutils.data import CharBatches, Corpus, stdlib_file_corpus
+from labutils.models import CharLM, make_ffn
+from labutils.train import lm_cross_entropy, train
 
 MAIN = ("dense", "MoE", "dense-wide")
 ABLATIONS = ("top-1", "top-1 Switch", "E=4", "E=16", "no balance loss", "E=k=2")
@@ -101,7 +101,7 @@ class Variant:
     def ffn(self, d: int):
         if not self.experts:
             return make_ffn("dense", d, self.hidden)
-        from .moe import NoisyGate, SwitchGate
+        from labutils.moe import NoisyGate, SwitchGate
         gates = {"noisy": NoisyGate, "switch": SwitchGate}
         if self.gate not in gates:
             raise ValueError(f"Variant.gate must be one of {sorted(gates)}, got {self.gate!r}")
@@ -587,7 +587,7 @@ def ablation_lines(record: dict) -> list:
 
 def plot_study(record: dict):
     """Validation loss (mean ± std over seeds, as a band) against steps, training FLOPs and CPU seconds."""
-    from .plotting import COLORS, plt
+    from labutils.plotting import COLORS, plt
 
     c = curves(record)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), dpi=100, sharey=True)
@@ -615,7 +615,7 @@ def plot_study(record: dict):
 def plot_ablations(record: dict):
     """Final validation loss of each model as its mean with a 95% t-interval (seeds as dots); a model with one
     seed has no interval and is drawn hollow. The y axis starts at zero."""
-    from .plotting import COLORS, plt
+    from labutils.plotting import COLORS, plt
 
     c = curves(record)
     names = list(c)
@@ -665,7 +665,7 @@ def load_shares(record: dict, name: str = "MoE", seed: int | None = None, layer:
 def plot_layer_load(record: dict, name: str = "MoE", seed: int | None = None):
     """Each MoE layer's share of routed tokens per expert over training, one heatmap per layer (a collapse in
     one layer cannot hide in the sum)."""
-    from .plotting import plt
+    from labutils.plotting import plt
 
     run = _run(record, name, seed)
     n_layers = len(run["load_layers"][0])

@@ -4,7 +4,7 @@
 ``run_variant(ffn, corpus, cfg, seeds)`` builds ``CharLM(corpus.vocab_size, cfg.d_model, cfg.n_heads,
 cfg.n_layers, cfg.block, ffn)`` per seed, trains it with :func:`labutils.train.train` (Adam, ``cfg.lr``,
 ``cfg.steps``, batches ``CharBatches(seed=0)`` so every variant sees the same data) and returns validation
-curves and what every :class:`~labutils.moe.modern_layer.ModernMoE` layer recorded: load per step, dropped
+curves and what every :class:`~labutils.moe.modern.layer.ModernMoE` layer recorded: load per step, dropped
 share, router logit scale (RMS, and the z-loss value ``lse2``). ``aux_coef=1``: the routers' stored losses are
 already weighted.
 Routers with an auxiliary-loss-free bias are updated before each optimiser step (torchtitan's pre-hook).
@@ -17,11 +17,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .data import CharBatches, fixed_windows
-from .models import CharLM, make_ffn
-from .moe.aux_free import attach_bias_update
-from .moe.modern_layer import ModernMoE
-from .train import evaluate_loss, lm_cross_entropy, train
+from labutils.data import CharBatches, fixed_windows
+from labutils.models import CharLM, make_ffn
+from labutils.moe.modern.aux_free import attach_bias_update
+from labutils.moe.modern.layer import ModernMoE
+from labutils.train import evaluate_loss, lm_cross_entropy, train
 
 
 def balance_stats(counts: torch.Tensor) -> tuple[float, float]:
@@ -179,7 +179,7 @@ def _record_one(preset: dict, name: str) -> dict:
     """In a worker: one variant over the preset's seeds, one thread, reduced to JSON-able numbers."""
     from types import SimpleNamespace
 
-    from .data import stdlib_corpus
+    from labutils.data import stdlib_corpus
 
     torch.set_num_threads(1)
     cfg = SimpleNamespace(**preset)
@@ -220,7 +220,7 @@ def record_full(preset: dict, jobs: int = 2) -> dict:
 def ranking_lines(record: dict, key: str = "final") -> list:
     """Each variant against the best one (lowest mean of its per-seed ``key`` values, e.g. ``"final"``, the last
     evaluation), judged by Welch's t-test over seeds (:func:`labutils.stats.welch`, alpha 0.05)."""
-    from .stats import welch
+    from labutils.stats import welch
 
     rows = sorted(record["variants"], key=lambda v: sum(v[key]) / len(v[key]))
     if not rows:
@@ -245,7 +245,7 @@ def dense_verdicts(record: dict, tol: float = CAUSAL_TOL) -> dict:
     (prefix) evaluation matches its full-forward one within ``tol`` on every seed; a leaky one (expert choice, a
     capacity cut) is judged on its prefix evaluation, as it would generate. Needs ``final`` and
     ``final_prefix`` per variant (records from ``benchmarks/modern_moe.py`` since the prefix evaluation)."""
-    from .stats import welch
+    from labutils.stats import welch
 
     by = {v["name"]: v for v in record["variants"]}
     missing = [n for n, v in by.items() if not v.get("final_prefix")]

@@ -2,15 +2,16 @@
 expert-choice routing (each expert's top-C tokens, ties to the earlier token). Serves notebooks/09_modern_moe.ipynb;
 red-teamed by tests/test_exercise_cheats_ch09.py.
 
-Both references are brute-force Python loops written from the definitions, not ``labutils.moe.aux_free.bias_update``
-or ``labutils.moe.expert_choice.expert_choice_route`` (the functions the exercises re-implement). While the student's
-function runs, calls into the book's package (those functions, ``update_expert_bias``, ``reference_routes``, a copy
-of their code objects), DeepSpeed or fastmoe are refused."""
+Both references are brute-force Python loops written from the definitions, not
+``labutils.moe.modern.aux_free.bias_update`` or ``labutils.moe.modern.expert_choice.expert_choice_route`` (the
+functions the exercises re-implement). While the student's function runs, calls into labutils or labbook (those
+functions, ``update_expert_bias``, ``reference_routes``, a copy of their code objects), DeepSpeed or fastmoe are
+refused."""
 from __future__ import annotations
 
 import torch
 
-from ...exercises import check_exercise
+from labbook.exercises import check_exercise
 
 # --- exercise 1: my_bias_update(bias, counts, rate) -------------------------------------------------------------
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe import FMoETransformerMLP
-from ..moe.expert_parallel import shard_state
-from ..wire import count_wire
+from labutils.moe import FMoETransformerMLP
+from labutils.moe.expert_parallel import shard_state
+from labutils.wire import count_wire
 
 DESIGNS = ("fastmoe", "ds drop", "ds dropless", "all-reduce")
 
@@ -155,12 +155,12 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
 
 
 def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
-    from ..ds.gating import ds_capacity
-    from ..toys import ep_layers
+    from labbook.toys import ep_layers
+    from labutils.ds.gating import ds_capacity
 
     rank = dist.get_rank()
     full, sharded = ep_layers(d, experts, k, seed, drop_tokens=(design == "ds drop"))
-    from ..ds.runtime import shard_for_rank
+    from labutils.ds.runtime import shard_for_rank
 
     g = torch.Generator().manual_seed(seed + 1 + rank)                      # every rank its own tokens
     x, w = torch.randn(tokens, d, generator=g), torch.randn(tokens, d, generator=g)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ...exercises import check_exercise, trusted
+from labbook.exercises import check_exercise, trusted
 
 # --- exercise 1: balance_entropy(load) ------------------------------------------------------------------------
 

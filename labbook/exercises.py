@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compare import compare_tensors
+from labutils.compare import compare_tensors
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write your solution here")'
@@ -57,9 +57,10 @@ def trusted(fn):
 
 
 def library_roots(extra=()) -> tuple:
-    """Directories whose code an exercise may not call: this package, and DeepSpeed/fastmoe when imported."""
+    """Directories whose code an exercise may not call: this package (the book's machinery), ``labutils``, and
+    DeepSpeed/fastmoe (where they are, imported or not)."""
     roots = [_PACKAGE_DIR]
-    for mod in ("deepspeed", "fmoe", "fmoe_cuda"):
+    for mod in ("labutils", "deepspeed", "fmoe", "fmoe_cuda"):
         path = getattr(sys.modules.get(mod), "__file__", None)
         if path is None:  # not imported yet: where it would be, so an import inside the exercise is covered
             try:

@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_variable_dim, require_process_group
-from .capacity import exchange_counts, limit_by_capacity
-from .tree import tree_flatten, tree_map
+from ...collectives import all_gather_variable_dim, require_process_group
+from ..capacity import exchange_counts, limit_by_capacity
+from ..tree import tree_flatten, tree_map
 
 __all__ = ["ensure_comm", "get_moe_group", "count_by_gate", "prepare_forward", "MOEScatter", "MOEGather",
            "AllGather", "Slice", "limit_by_capacity", "mark_module_parallel_comm", "_fmoe_general_global_forward"]

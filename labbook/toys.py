@@ -2,7 +2,7 @@
 
 A chapter prints them with ``labutils.show_source(obj)`` and runs them; the tests import the same code, so
 there is one copy. A *worker* runs on every rank of ``labutils.launch(fn, world_size, ...)``: these are
-module-level functions, which cloudpickle ships by reference (the worker imports ``labutils.toys``).
+module-level functions, which cloudpickle ships by reference (the worker imports ``labbook.toys``).
 
 Chapter 07, data parallelism on gloo workers:
 
@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import all_to_all
-from .compare import compare_models
-from .data_parallel import GroupedDataParallel, grad_group, is_expert_param, mark_expert_params
+from labutils.collectives import all_to_all
+from labutils.compare import compare_models
+from labutils.data_parallel import GroupedDataParallel, grad_group, is_expert_param, mark_expert_params
 
 RTOL, ATOL = 1.3e-6, 5e-5  # the tolerance of PyTorch's replicate tests
 
@@ -676,7 +676,7 @@ def broadcast_checks(ep_out, offset):
 
 def fmoe_block(d, h, world_size, num_expert):
     """dense -> the lab's FMoETransformerMLP (top-2) -> dense."""
-    from .moe import FMoETransformerMLP
+    from labutils.moe import FMoETransformerMLP
 
     moe = FMoETransformerMLP(num_expert=num_expert, d_model=d, d_hidden=h, world_size=world_size, top_k=2)
     return nn.Sequential(nn.Linear(d, d), moe, nn.Linear(d, d))
@@ -685,7 +685,7 @@ def fmoe_block(d, h, world_size, num_expert):
 def lab_fmoe_check(d=8, h=16, tokens=8, num_expert=2):
     """Worker: FMoETransformerMLP(world_size=W) + GroupedDataParallel vs the world_size=1 layer holding all
     ``W * num_expert`` experts: (gradient report, dp_comm tags, gradient tensors per group)."""
-    from .moe.expert_parallel import shard_state
+    from labutils.moe.expert_parallel import shard_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -780,7 +780,7 @@ def dp_costs(d=8, h=16, rows=32, tokens=8, rounds=5, steps=5, warmup=2, modes=CO
     this rank sent per step (``labutils.wire``: the kernel's TCP counters, below every Python API), the median
     step time of each round, the ring minimum. ``"control"``: one DDP step with an extra all-reduce of ``pad``
     float32 zeros, which the byte count must see."""
-    from .wire import count_wire
+    from labutils.wire import count_wire
 
     world = dist.get_world_size()
     built = {m: cost_setup(m, d, h, rows, tokens) for m in modes}
@@ -819,7 +819,7 @@ def dp_costs(d=8, h=16, rows=32, tokens=8, rounds=5, steps=5, warmup=2, modes=CO
 def collective_bytes(numel=4096):
     """Bytes this rank sends for one all-reduce, all-gather and reduce-scatter of a ``numel``-float32 tensor (the
     whole tensor, as FSDP sees a layer's parameter), counted on the wire, next to a ring algorithm's minimum."""
-    from .wire import count_wire
+    from labutils.wire import count_wire
 
     world = dist.get_world_size()
     numel -= numel % world
@@ -855,7 +855,7 @@ def distinct_experts(moe, seed=0):
 def ep_layers(d, num_experts, k, seed=0, **moe_kwargs):
     """This rank's ``ep_size=1`` layer (all experts, made distinct) and the ``ep_size=W`` layer holding its share.
     ``moe_kwargs`` override DeepSpeed ``MoE`` arguments (``capacity_factor``, ``drop_tokens``, ...)."""
-    from .ds.runtime import init_deepspeed, quiet, shard_for_rank
+    from labutils.ds.runtime import init_deepspeed, quiet, shard_for_rank
 
     init_deepspeed()  # adopts the gloo group launch created
     from deepspeed.moe.layer import MoE
@@ -874,7 +874,7 @@ def ep_layers(d, num_experts, k, seed=0, **moe_kwargs):
 
 def ep_parity(d, num_experts, k, tokens, seed=0):
     """Worker: both layers on this rank's tokens: their outputs, and their gradients as ``ep_size=W`` names them."""
-    from .ds.runtime import shard_for_rank
+    from labutils.ds.runtime import shard_for_rank
 
     rank = dist.get_rank()
     full, sharded = ep_layers(d, num_experts, k, seed)
@@ -896,7 +896,7 @@ def ep_parity(d, num_experts, k, tokens, seed=0):
 def capacity_pitfall(d, num_experts, guard, fix):
     """Worker: ranks whose capacities differ (``drop_tokens=False``), with or without the guard and the expert
     group (``fix``): "CapacityMismatchError: ..." or "ran: ..."."""
-    from .ds.runtime import CapacityMismatchError, init_deepspeed, install_capacity_guard, quiet
+    from labutils.ds.runtime import CapacityMismatchError, init_deepspeed, install_capacity_guard, quiet
 
     init_deepspeed()
     from deepspeed.moe.layer import MoE

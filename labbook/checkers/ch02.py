@@ -5,7 +5,7 @@ red-teamed by tests/test_exercise_cheats_ch02.py.
 Every reference is DeepSpeed 0.19.8's own code, called by the checker outside the guard: ``sharded_moe._capacity``
 (the function every ``TopKGate`` calls), ``sharded_moe.top1gating``, and the buffer a real ``deepspeed.moe.layer.MoE``
 hands its experts (recorded by a forward pre-hook). Never the lab's ``labutils.ds.gating`` re-derivation, which the
-exercises re-implement; the student's function runs under :class:`labutils.exercises.Guard`, so any call into
+exercises re-implement; the student's function runs under :class:`labbook.exercises.Guard`, so any call into
 labutils or DeepSpeed (``ds_capacity``, ``_capacity``, ``top1gating``, ``top2gating``, ``topkgating``,
 ``top1_routing``, ``top2_routing``, ``_sparse_encode``, ``Routing.dispatch_mask``, ...) fails the case.
 
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ...exercises import check_exercise
+from labbook.exercises import check_exercise
 
 # the capacity grid: tokens, experts, capacity factor (in hundredths), k
 GRID_TOKENS = (2, 513)            # range(*GRID_TOKENS)
@@ -33,7 +33,7 @@ GRID_K = (1, 2, 3)
 
 def _sharded_moe():
     """DeepSpeed's ``sharded_moe`` module (imported quietly, CPU accelerator)."""
-    from ...ds.runtime import import_deepspeed
+    from labutils.ds.runtime import import_deepspeed
 
     import_deepspeed()
     from deepspeed.moe import sharded_moe
@@ -151,7 +151,7 @@ def real_dispatch(seed: int, tokens: int, d: int, experts: int, k: int, cf: floa
     """A real ``MoE`` layer (seeded router, sampling off) and seeded tokens. Returns the case
     ``(x (S, d), indices (k, S), locations (k, S), E, C)`` (the gate's sparse routes, int64, -1 = dropped) and the
     layer, whose experts' input :func:`experts_input` records."""
-    from ...ds.runtime import init_deepspeed, quiet
+    from labutils.ds.runtime import init_deepspeed, quiet
 
     init_deepspeed()
     from deepspeed.moe.layer import MoE

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...exercises import check_exercise, guarded_call
-from ...launcher import WorkerError, launch
+from labbook.exercises import check_exercise, guarded_call
+from labutils.launcher import WorkerError, launch
 
 # --- exercise 1: gather_values(x) on every rank -----------------------------------------------------------
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data_parallel import allreduce_grouped_grads
-from ..moe import FMoETransformerMLP
-from ..moe.expert_parallel import shard_state
+from labutils.data_parallel import allreduce_grouped_grads
+from labutils.moe import FMoETransformerMLP
+from labutils.moe.expert_parallel import shard_state
 
 BUGS = ("correct", "experts x EP", "router unreduced", "router twice", "DP mixes experts")
 GROUPS = ("dense", "router", "experts")

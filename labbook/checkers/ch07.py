@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...exercises import check_exercise
+from labbook.exercises import check_exercise
 
 # --- exercise 1: shard_batch(x, rank, world, dim) ----------------------------------------------------------------
 

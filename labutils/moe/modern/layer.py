@@ -23,10 +23,10 @@ from torch import nn
 
 from .aux_free import check_expert_bias
 from .expert_choice import expert_capacity, expert_choice_route
-from .grouped_experts import RoutedExperts
-from .router_losses import z_loss
+from .experts import RoutedExperts
+from .losses import z_loss
 from .routers import TopKRouter
-from .shared_experts import SharedExperts
+from .shared import SharedExperts
 
 ROUTINGS = ("token", "expert")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...exercises import check_exercise
+from labbook.exercises import check_exercise
 
 VISIBLE = ((32, 1024, 4096), (8, 64, 128), (3, 10, 7))     # the book's layer, the tiny preset's, an odd one
 
@@ -22,7 +22,7 @@ FORBIDDEN = (torch.nn.Module.__init__, torch.nn.Module.parameters, torch.nn.Modu
 
 def _counted(num_expert: int, d_model: int, d_hidden: int) -> torch.Tensor:
     """The real layer's parameter count: built on the meta device, every tensor's numel summed. () int64."""
-    from ...moe import FMoETransformerMLP, NaiveGate
+    from labutils.moe import FMoETransformerMLP, NaiveGate
     with torch.device("meta"):
         layer = FMoETransformerMLP(num_expert=num_expert, d_model=d_model, d_hidden=d_hidden, gate=NaiveGate)
     return torch.tensor(sum(p.numel() for p in layer.parameters()), dtype=torch.int64)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..gates import BaseGate, check_finite_logits, check_gate_input
 from .aux_free import check_expert_bias
-from .gates import BaseGate, check_finite_logits, check_gate_input
-from .router_losses import balance_loss, z_loss
+from .losses import balance_loss, z_loss
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCE_KINDS = ("none", "batch", "sequence")
@@ -27,7 +27,7 @@ class TopKRouter(BaseGate):
 
     * ``score_func``, ``route_norm``, ``route_scale``: as torchtitan's router (above).
     * ``bias_rate``: ``None`` (no bias) or the step ``gamma`` of the auxiliary-loss-free bias (``expert_bias``
-      buffer, updated by :func:`labutils.moe.aux_free.update_expert_bias` after each optimiser step).
+      buffer, updated by :func:`labutils.moe.modern.aux_free.update_expert_bias` after each optimiser step).
     * ``balance``: ``"none"``, ``"batch"`` or ``"sequence"`` balancing loss, weighted by ``balance_coef``.
     * ``z_coef``: weight of the ST-MoE z-loss (0 = off).
     While training, ``tokens_per_expert`` accumulates the choices per expert (what the bias update reads).
