@@ -43,7 +43,22 @@ def _check_state(stream, state, keys: tuple) -> None:
                          f"(a state of another kind of stream?); it has {got}")
 
 
-class RandomPairs:
+class _SeededStream:
+    """A stream drawing from its own seeded ``torch.Generator``: its state is the generator and the batch count."""
+
+    gen: torch.Generator
+    position: int
+
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state(), "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(self, state, ("gen", "position"))
+        self.gen.set_state(state["gen"])
+        self.position = int(state["position"])
+
+
+class RandomPairs(_SeededStream):
     """An endless stream of independent N(0, 1) ``(x, y)`` of shape ``(batch, T, d)``: the book's random data."""
 
     def __init__(self, batch: int, T: int, d: int, seed: int = 0):
@@ -56,14 +71,6 @@ class RandomPairs:
         y = torch.randn(self.shape, generator=self.gen)  # (B, T, d)
         self.position += 1
         return x, y
-
-    def state_dict(self) -> dict:
-        return {"gen": self.gen.get_state(), "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        _check_state(self, state, ("gen", "position"))
-        self.gen.set_state(state["gen"])
-        self.position = int(state["position"])
 
 
 class EpochBatches:
@@ -217,7 +224,7 @@ def stdlib_corpus(files=STDLIB_FILES, **kwargs) -> Corpus:
     return char_corpus(read_stdlib(files), source=f"Python {version} stdlib: {len(files)} files", **kwargs)
 
 
-class CharBatches:
+class CharBatches(_SeededStream):
     """Random windows of ``block_size + 1`` characters: inputs ``(B, T)``, targets shifted by one ``(B, T)``."""
 
     def __init__(self, data: torch.Tensor, batch_size: int, block_size: int, seed: int = 0):
@@ -239,14 +246,6 @@ class CharBatches:
         window = self.data[starts[:, None] + offsets]                                                    # (B, T+1)
         self.position += 1
         return window[:, :-1], window[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"gen": self.gen.get_state(), "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        _check_state(self, state, ("gen", "position"))
-        self.gen.set_state(state["gen"])
-        self.position = int(state["position"])
 
 
 def fixed_windows(data: torch.Tensor, n: int, block_size: int, seed: int = 1234):
