@@ -77,7 +77,7 @@ def test_ddp_and_replicate_match_local_training():
 
 
 def _whole_batch_fault():
-    toys.batch_rows = lambda n, rank, world: slice(0, n)  # every rank trains on the whole global batch
+    toys.ch07_ddp.batch_rows = lambda n, rank, world: slice(0, n)  # every rank trains on the whole global batch
     return ddp_run(2)
 
 
