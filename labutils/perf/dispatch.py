@@ -38,9 +38,8 @@ from torch import nn
 from ..moe.functions import check_top_k, combine, count_by_gate, gather, scatter
 
 __all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "loop", "core", "padded",
-           "grouped_mm", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate", "DESIGNS", "REFERENCES", "LIMITS",
-           "build_designs",
-           "fwd_bwd"]
+           "grouped_mm", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate", "DESIGNS", "REFERENCES",
+           "build_designs", "fwd_bwd"]
 
 
 # ---- the problem every design solves ------------------------------------------------------------
@@ -442,7 +441,6 @@ def separate(p: Problem) -> DispatchOut:
 DESIGNS = {"loop": loop, "core": CoreMoE, "padded": padded, "grouped_mm": grouped_mm, "einsum": einsum,
            "ds_cf1": 1.0, "ds_cf2": 2.0}  # classes and DeepSpeed's capacity factors: built per problem
 REFERENCES = {"dense": dense, "separate": separate}
-LIMITS = REFERENCES  # the 0.2 name: they were called limits, but designs can beat them
 
 
 def build_designs(p: Problem, names=None) -> dict:

@@ -30,12 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._deprecate import deprecated
 from ..moe.functions import combine, count_by_gate, gather, scatter
 from ..moe.gates import NaiveGate
 from ..moe.transformer import FMoETransformerMLP
 from .timing import clock, clock_name, quartiles
-from .timing import machine_info as _machine_info
 
 REFERENCE = "dense, same FLOPs"
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -351,7 +349,3 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
 
-
-# Deprecated names from labutils.moe.bench (0.1.0): one clock and one machine_info live in perf.timing now.
-bench_clock = deprecated("bench_clock", clock, since="0.2.0", removed_in="1.0.0")
-machine_info = deprecated("machine_info", _machine_info, since="0.2.0", removed_in="1.0.0")
