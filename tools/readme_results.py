@@ -157,7 +157,15 @@ def bench_modern_moe() -> str:
     return out
 
 
-GENERATORS = {"ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense, "bench-launch": bench_launch,
+def coursework_copies() -> str:
+    """The coursework copies with their line counts, computed from the package's files and import graph."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import coursework_copies as cc
+
+    return "\n" + cc.table() + "\n"
+
+
+GENERATORS = {"coursework-copies": coursework_copies, "ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense, "bench-launch": bench_launch,
               "bench-comm": bench_comm, "bench-full-scale": bench_full_scale,
               "bench-token-exchange": bench_token_exchange, "bench-train-step": bench_train_step,
               "bench-matmul": bench_matmul, "ch09": ch09, "bench-modern-moe": bench_modern_moe}
