@@ -7,16 +7,19 @@ DeepSpeed and fastmoe are optional and imported only by the features that use th
 
 | module | what | chapter |
 |---|---|---|
-| ``launcher``, ``_worker``, ``torchrun`` | ``launch``: workers from a notebook cell; the torchrun entry point | 00 |
+| ``launcher``, ``_run``, ``_failures``, ``_launchdir`` | ``launch``: a notebook cell's workers (parent side) | 00 |
+| ``_worker``, ``_procs``, ``_watch`` | the zygote and the ranks, started by file path; the collective watch | 00 |
+| ``torchrun``, ``backend`` | the same functions under torchrun; the one backend / threads choice | 00 |
 | ``presets``, ``compare``, ``plotting``, ``params`` | presets, parity checks, plots, parameter counts | 00 |
-| ``exercises``, ``nbtools`` | exercise checkers; env report, seeding, ``show_source``, ``quiet`` | 00 |
-| ``moe/`` | the FastMoE-compatible core; ``moe.expert_parallel`` and ``moe.traffic`` for chapter 06 | 01, 06 |
-| ``ds/`` | DeepSpeed: ``ds.runtime`` (start it), ``ds.gating`` (its gating, THE capacity formula) | 02 |
-| ``models``, ``train``, ``data`` | the MoE Transformer, the trainer with exact resume, the data | 03-05 |
-| ``collectives`` | differentiable all-to-all and all-gathers | 06 |
-| ``data_parallel`` | MoE-aware data-parallel gradient grouping | 07 |
-| ``toys`` | the small models and worker functions chapters 02 and 07 show and the tests import | 02, 07 |
-| ``perf/`` | timing, dispatch designs, speed tables (chapters 01 and 08, ``benchmarks/``) | 01, 08 |
+| ``nbtools``, ``optional`` | env report, seeding, ``show_source``, ``quiet``; optional imports, install hints | 00 |
+| ``moe/`` | the MoE core; ``moe/fastmoe/`` fastmoe's face; ``moe/modern/`` chapter 09's wing | 01, 06, 09 |
+| ``ds/`` | DeepSpeed: ``ds.runtime`` (start it), ``ds.gating`` (its gating) | 02 |
+| ``models``, ``train``, ``checkpoint``, ``data`` | the MoE Transformer, the loop, exact resume, the data | 03-05 |
+| ``collectives``, ``wire`` | differentiable all-to-all and all-gathers; bytes on the wire | 06 |
+| ``data_parallel`` | MoE-aware data-parallel gradient grouping (and fastmoe's wrapper) | 07 |
+| ``stats`` | the verdict over seeds | 05, 08, 09 |
+| ``perf/`` | timing, dispatch designs, speed tables (``benchmarks/``) | 08 |
+| ``_deprecate`` | every deprecated name and path, one table, with its removal version | - |
 
 Names are loaded lazily so ``import labutils`` stays fast and never imports DeepSpeed or matplotlib.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -67,7 +70,7 @@ def __dir__():
 
 
 # `labutils.launch` is the function; the 0.1.0 module of that name is `launcher` now. Old module paths
-# (`labutils.launch`, `labutils.dist`, ...) keep working with a warning until 1.0.0: see _compat.py.
-from . import _compat  # noqa: E402
+# (`labutils.launch`, `labutils.dist`, ...) keep working with a warning until 1.0.0: see _deprecate.py.
+from . import _deprecate  # noqa: E402
 
-_compat.register(__name__)
+_deprecate.register(__name__)

@@ -1,19 +1,70 @@
-"""Deprecated aliases: a renamed public function keeps working, with a warning, until a stated version.
+"""Every deprecated name and module path of the package, in ONE table, and the one way each is forwarded.
 
-    # labutils/compare.py, after renaming cmp_tensors -> compare_tensors in 0.2.0:
-    cmp_tensors = deprecated("cmp_tensors", compare_tensors, since="0.2.0", removed_in="1.0.0")
+:data:`DEPRECATED` maps an old dotted path (relative to the top package, so a renamed copy ``mylab/`` keeps its
+shims) to the new path(s), the version that deprecated it and the version that removes it. Three kinds:
 
-The policy (CHANGELOG.md): public names are never deleted in a minor release; they become aliases made with
-:func:`deprecated`, listed under "Deprecated", and go away no earlier than the major release named by
-``removed_in``.
+* ``"module"``: a moved module. :func:`register` puts each old path into ``sys.modules`` when the package is
+  imported, as a small module whose every name forwards (:func:`moved_module`) to the new module with a
+  warning; no file is left at the old path (``entry.py`` stays a file: ``python -m labutils.entry`` needs one).
+* ``"name"``: a renamed function or class, made at its old place with :func:`deprecated`::
+
+      aux_loss = deprecated("aux_loss", _read_and_clear_aux_loss)  # labutils/models.py; versions from the table
+
+* ``"call"``: an old way of calling a function that still exists (its new form is the function itself).
+
+Every warning is a :class:`LabDeprecationWarning` (a ``DeprecationWarning``): the test suite turns the
+package's own into errors (``pyproject.toml``) while other libraries' stay ignored. The policy
+(CHANGELOG.md): a public name is never deleted in a minor release; it becomes a shim listed here and under
+"Deprecated", and goes no earlier than its ``removed_in`` version.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import re
+import sys
+import types
 import warnings
+from typing import NamedTuple
 
 _VERSION = re.compile(r"^\d+(\.\d+){1,2}$")
+_TOP = __name__.rpartition(".")[0]  # this package's own name: labutils, a renamed mylab, or vendor.labutils
+
+
+class LabDeprecationWarning(DeprecationWarning):
+    """A deprecated name or path of this package was used (an error in its tests; see pyproject.toml)."""
+
+
+class Shim(NamedTuple):
+    kind: str            # "module", "name" or "call"
+    new: tuple           # new dotted path(s), relative to the top package, tried in order
+    since: str           # the version that deprecated it
+    removed_in: str      # the version that may remove it
+
+
+def _moved(*new: str) -> Shim:
+    return Shim("module", new, "0.2.0", "1.0.0")
+
+
+DEPRECATED = {
+    # the 0.1.0 module paths (the 0.2.0 layout)
+    "launch": _moved("launcher"),
+    "entry": _moved("torchrun"),
+    "dist": _moved("collectives"),
+    "parallel": _moved("data_parallel"),
+    "comm": _moved("moe.traffic"),
+    "ds_gating": _moved("ds.gating"),
+    "roofline": _moved("perf.timing", "perf.sweep"),
+    "dispatch": _moved("perf.dispatch"),
+    "transformer": _moved("models"),
+    "envreport": _moved("nbtools"),
+    "moe.parallel": _moved("moe.expert_parallel"),
+    "moe.bench": _moved("perf.layer_bench"),
+    # renamed functions
+    "models.aux_loss": Shim("name", ("moe.gates.collect_aux_loss",), "0.2.0", "1.0.0"),
+    # old calls: limit_by_capacity(gate_idx, tot_expert, capacity) is drop_over_capacity's result
+    "moe.capacity.limit_by_capacity": Shim("call", ("moe.capacity.drop_over_capacity",), "0.3.0", "1.0.0"),
+}
 
 
 def _version(text: str, what: str) -> tuple:
@@ -22,17 +73,33 @@ def _version(text: str, what: str) -> tuple:
     return tuple(int(part) for part in text.split("."))
 
 
-def deprecated(alias_name: str, new_callable, since: str, removed_in: str | None = None):
-    """Return ``alias_name``: calls ``new_callable`` and emits a DeprecationWarning naming the replacement.
+def lookup(name: str) -> Shim | None:
+    """The table's entry for ``name``: a dotted path of :data:`DEPRECATED`, or the last part of exactly one."""
+    if name in DEPRECATED:
+        return DEPRECATED[name]
+    found = [shim for path, shim in DEPRECATED.items() if shim.kind != "module" and path.rsplit(".", 1)[-1] == name]
+    return found[0] if len(found) == 1 else None
 
-    ``since`` is the version that deprecated the alias; ``removed_in`` (optional, later than ``since``) the
-    version that may remove it. The warning points at the caller's line. Works for functions and classes
-    (calling a deprecated class alias builds an instance of the new class).
+
+def deprecated(alias_name: str, new_callable, since: str | None = None, removed_in: str | None = None):
+    """Return ``alias_name``: calls ``new_callable`` and emits a :class:`LabDeprecationWarning` naming it.
+
+    ``since`` / ``removed_in`` default to :data:`DEPRECATED`'s entry for ``alias_name`` (given, they must agree
+    with it); a name outside the table needs ``since``. The warning points at the caller's line. Works for
+    functions and classes (calling a deprecated class alias builds an instance of the new class).
     """
     if not callable(new_callable):
         raise TypeError(f"new_callable must be callable, got {new_callable!r}")
     if not alias_name.isidentifier():
         raise ValueError(f"alias_name must be an identifier, got {alias_name!r}")
+    entry = lookup(alias_name)
+    if entry is not None:
+        if (since or entry.since, removed_in or entry.removed_in) != (entry.since, entry.removed_in):
+            raise ValueError(f"{alias_name}: since={since}, removed_in={removed_in} disagree with the table in "
+                             f"{__name__} ({entry.since}, {entry.removed_in})")
+        since, removed_in = entry.since, entry.removed_in
+    if since is None:
+        raise ValueError(f"{alias_name} is not in {__name__}.DEPRECATED: add it there (or give since=)")
     if removed_in is not None and _version(removed_in, "removed_in") <= _version(since, "since"):
         raise ValueError(f"removed_in={removed_in} must be later than since={since}")
     _version(since, "since")
@@ -43,7 +110,7 @@ def deprecated(alias_name: str, new_callable, since: str, removed_in: str | None
 
     @functools.wraps(new_callable, updated=())  # not a class's __dict__
     def alias(*args, **kwargs):
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        warnings.warn(message, LabDeprecationWarning, stacklevel=2)
         return new_callable(*args, **kwargs)
 
     alias.__name__ = alias.__qualname__ = alias_name
@@ -53,23 +120,13 @@ def deprecated(alias_name: str, new_callable, since: str, removed_in: str | None
     return alias
 
 
-def moved_module(old: str, *new: str, since: str = "0.2.0", removed_in: str = "1.0.0"):
-    """The ``__getattr__`` of a module that moved: ``old.name`` forwards to ``new.name`` with a warning.
-
-    A moved module keeps a three-line file at its old path (``labutils/dist.py`` after the move to
-    ``labutils/collectives.py``)::
-
-        from ._deprecate import moved_module
-        __getattr__ = moved_module(__name__, "collectives")
-
-    so ``from labutils.dist import all_to_all`` keeps working until ``removed_in``, with a warning. Each of
-    ``new`` (tried in order, for a module split in two) is relative to the top package, so a renamed copy of
-    the package (``mylab/``) keeps its shims working.
-    """
-    import importlib
-
-    top = old.split(".")[0]
-    targets = [f"{top}.{n}" for n in new]
+def moved_module(old: str, *new: str):
+    """The ``__getattr__`` of a moved module ``old`` (a full dotted name): ``old.name`` forwards to ``new.name``
+    with a warning. ``new`` (relative to the top package, tried in order: a module split in two) defaults to
+    the table's entry; the versions always come from it. :func:`register` makes one for every moved path of
+    the table; ``labutils/entry.py`` is the one shim file (``__getattr__ = moved_module(__name__)``)."""
+    entry = DEPRECATED[old.removeprefix(f"{_TOP}.")]
+    targets = [f"{_TOP}.{n}" for n in (new or entry.new)]
 
     def __getattr__(name):
         if name.startswith("__"):
@@ -77,9 +134,21 @@ def moved_module(old: str, *new: str, since: str = "0.2.0", removed_in: str = "1
         for target in targets:
             module = importlib.import_module(target)
             if hasattr(module, name):
-                warnings.warn(f"{old} moved to {target} in labutils {since} (the old path goes in {removed_in}): "
-                              f"use {target}.{name}", DeprecationWarning, stacklevel=2)
+                warnings.warn(f"{old} moved to {target} in labutils {entry.since} (the old path goes in "
+                              f"{entry.removed_in}): use {target}.{name}", LabDeprecationWarning, stacklevel=2)
                 return getattr(module, name)
         raise AttributeError(f"module {old!r} (moved to {' and '.join(targets)}) has no attribute {name!r}")
 
     return __getattr__
+
+
+def register(top: str) -> None:
+    """Put every moved module path of package ``top`` into ``sys.modules`` (idempotent; ``entry`` is a file)."""
+    for old, shim in DEPRECATED.items():
+        name = f"{top}.{old}"
+        if shim.kind != "module" or old == "entry" or name in sys.modules:
+            continue
+        module = types.ModuleType(name, f"Deprecated since {shim.since}: moved to {' and '.join(shim.new)} "
+                                        f"(goes in {shim.removed_in}).")
+        module.__getattr__ = moved_module(name)  # pyright: ignore[reportAttributeAccessIssue]
+        sys.modules[name] = module

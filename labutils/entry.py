@@ -1,8 +1,5 @@
-"""Deprecated since 0.2.0: moved to ``labutils.torchrun`` (this path goes in 1.0.0)."""
+"""Deprecated since 0.2.0: moved to ``labutils.torchrun`` (this path goes in 1.0.0; the table in _deprecate.py)."""
 from ._deprecate import moved_module
-
-__getattr__ = moved_module(__name__, "torchrun")
-
 
 if __name__ == "__main__":  # python -m labutils.entry keeps working
     import sys
@@ -10,3 +7,5 @@ if __name__ == "__main__":  # python -m labutils.entry keeps working
     from .torchrun import main
 
     sys.exit(main())
+
+__getattr__ = moved_module(__name__)

@@ -222,7 +222,7 @@ def _read_and_clear_aux_loss(model: nn.Module) -> torch.Tensor:
     return collect_aux_loss(model, clear=True)
 
 
-aux_loss = deprecated("aux_loss", _read_and_clear_aux_loss, since="0.2.0", removed_in="1.0.0")
+aux_loss = deprecated("aux_loss", _read_and_clear_aux_loss)  # versions: the table in _deprecate.py
 
 
 def _is_gate(m: nn.Module) -> bool:

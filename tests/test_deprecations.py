@@ -1,0 +1,91 @@
+"""One shim mechanism: every deprecated name and path of labutils sits in ``labutils._deprecate.DEPRECATED`` with
+its removal version, every shim reads it, and the lab's own deprecation warnings are errors in the tests."""
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import warnings
+
+import pytest
+
+import labutils
+from labutils._deprecate import DEPRECATED, LabDeprecationWarning, _version, deprecated, lookup
+
+PKG = pathlib.Path(labutils.__file__).parent
+
+
+def _resolve(path: str):
+    """``labutils.<path>``: the longest importable module prefix, then attributes."""
+    parts = f"labutils.{path}".split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def test_every_entry_has_versions_and_a_new_home():
+    for old, shim in DEPRECATED.items():
+        assert shim.kind in ("module", "name", "call"), old
+        assert _version(shim.removed_in, "removed_in") > _version(shim.since, "since"), old
+        for new in shim.new:
+            assert _resolve(new) is not None, f"{old}: its new home {new} does not exist"
+
+
+@pytest.mark.parametrize("old", sorted(k for k, s in DEPRECATED.items() if s.kind == "module"))
+def test_moved_module_forwards_with_the_labs_warning(old):
+    shim = DEPRECATED[old]
+    new = importlib.import_module(f"labutils.{shim.new[0]}")
+    name = next(n for n in sorted(vars(new)) if not n.startswith("_") and not isinstance(vars(new)[n], type(pathlib)))
+    with pytest.warns(LabDeprecationWarning, match=rf"labutils\.{old} moved to .*{shim.removed_in}"):
+        value = getattr(importlib.import_module(f"labutils.{old}"), name)
+    assert value is getattr(new, name)
+
+
+@pytest.mark.parametrize("old", sorted(k for k, s in DEPRECATED.items() if s.kind == "name"))
+def test_renamed_name_is_an_alias_made_from_the_table(old):
+    alias = _resolve(old)
+    shim = DEPRECATED[old]
+    assert f"since labutils {shim.since} and will be removed in {shim.removed_in}" in alias.__deprecated__
+
+
+def test_every_deprecated_call_in_the_package_reads_the_table():
+    """Every ``deprecated(name, fn)`` names an entry of the table (versions given must agree with it: checked
+    when the alias is made), and no module but ``_deprecate`` warns with ``DeprecationWarning`` itself."""
+    calls, own_warnings = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name == "_deprecate.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "deprecated":
+                calls.append((path.relative_to(PKG), node))
+            if isinstance(node, ast.Name) and node.id in ("DeprecationWarning", "FutureWarning"):
+                own_warnings.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert calls, "no shim made with deprecated(): the scan is broken"
+    for where, node in calls:
+        name = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+        assert name is not None and lookup(name) is not None, f"{where}:{node.lineno}: {name!r} is not in DEPRECATED"
+    assert not own_warnings, f"deprecation warnings outside labutils._deprecate: {own_warnings}"
+
+
+def test_the_labs_deprecations_are_errors_and_others_are_ignored():
+    with pytest.raises(LabDeprecationWarning):
+        warnings.warn("a labutils shim used without pytest.warns", LabDeprecationWarning, stacklevel=1)
+    warnings.warn("another library's deprecation", DeprecationWarning, stacklevel=1)  # ignored: no error
+    with pytest.deprecated_call():
+        deprecated("old_name", len, since="0.2.0", removed_in="1.0.0")([1])
+
+
+def test_versions_come_from_the_table_and_must_agree():
+    alias = deprecated("aux_loss", len)
+    assert "since labutils 0.2.0 and will be removed in 1.0.0" in alias.__deprecated__
+    with pytest.raises(ValueError, match="disagree with the table"):
+        deprecated("aux_loss", len, since="0.1.0")
+    with pytest.raises(ValueError, match="not in labutils._deprecate.DEPRECATED"):
+        deprecated("never_listed", len)
