@@ -66,7 +66,7 @@ def test_all_designs_agree_with_the_loop(top_k):
 def test_core_is_the_lab_layer_unchanged():
     """`core` feeds the problem's tensors into labutils.moe.FMoETransformerMLP: same as running that layer."""
     from labutils.moe import FMoETransformerMLP
-    from labutils.perf.dispatch import _LogitsGate, core
+    from labutils.perf.real_layers import _LogitsGate, core
 
     p = make_problem(tokens=32, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     layer = FMoETransformerMLP(num_expert=4, d_model=8, d_hidden=16, top_k=2, gate=_LogitsGate)
@@ -206,17 +206,17 @@ def test_core_reports_the_kept_share_its_routing_gives():
 
     p = make_problem(tokens=16, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     assert core(p).kept == 32
-    import labutils.perf.dispatch as D
+    import labutils.perf.real_layers as R  # the core's gate routes with the route() its module sees
 
-    real_route = D.route
+    real_route = R.route
     try:
         def dropping(logits, top_k):
             idx, score = real_route(logits, top_k)
             return idx.masked_fill(torch.arange(idx.shape[0]).unsqueeze(1) < 3, -1), score
-        D.route = dropping
+        R.route = dropping
         assert core(p).kept == 32 - 3 * 2
     finally:
-        D.route = real_route
+        R.route = real_route
 
 
 def test_timed_core_owns_its_parameters_and_matches_the_fed_core():
