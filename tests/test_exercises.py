@@ -8,7 +8,8 @@ import pytest
 import torch
 from cheats import must_fail, must_pass
 
-from labbook.exercises import Guard, OffLimits, check_exercise, forbid, guarded_call, trusted
+from labbook.exercises import check_exercise
+from labbook.guard import Guard, OffLimits, forbid, guarded_call, trusted
 from labutils.moe import FMoETransformerMLP, count_by_gate
 from labutils.moe.functions import MOEGatherCombine
 

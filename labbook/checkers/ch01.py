@@ -3,7 +3,7 @@
 red-teamed by tests/test_exercise_cheats_ch01.py.
 
 Every reference here is a brute-force loop over tokens written for the checker, not the lab's ``labutils.moe``
-code the exercise re-implements; the student's function runs under :class:`labbook.exercises.Guard`, so any call
+code the exercise re-implements; the student's function runs under :class:`labbook.guard.Guard`, so any call
 into labutils, DeepSpeed or fastmoe (``FMoE``, ``_fmoe_general_global_forward``, ``balance_loss``,
 ``NaiveGate.top_k_logits``, ``position_in_expert``, ...) fails the case.
 """

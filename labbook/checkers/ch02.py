@@ -5,7 +5,7 @@ red-teamed by tests/test_exercise_cheats_ch02.py.
 Every reference is DeepSpeed 0.19.8's own code, called by the checker outside the guard: ``sharded_moe._capacity``
 (the function every ``TopKGate`` calls), ``sharded_moe.top1gating``, and the buffer a real ``deepspeed.moe.layer.MoE``
 hands its experts (recorded by a forward pre-hook). Never the lab's ``labutils.ds.gating`` re-derivation, which the
-exercises re-implement; the student's function runs under :class:`labbook.exercises.Guard`, so any call into
+exercises re-implement; the student's function runs under :class:`labbook.guard.Guard`, so any call into
 labutils or DeepSpeed (``ds_capacity``, ``_capacity``, ``top1gating``, ``top2gating``, ``topkgating``,
 ``top1_routing``, ``top2_routing``, ``_sparse_encode``, ``Routing.dispatch_mask``, ...) fails the case.
 

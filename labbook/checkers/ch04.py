@@ -5,7 +5,7 @@ tests/test_exercise_cheats_ch04.py.
 References are DeepSpeed 0.19.8's own code, called outside the guard: ``sharded_moe._capacity`` (through
 :func:`labbook.checkers.ch02.deepspeed_capacity`, with chapter 02's grid of float32 edge cases, so a capacity
 rounded in float64 fails) and ``sharded_moe.top2gating`` with second-expert sampling off. The student's function runs
-under :class:`labbook.exercises.Guard`: ``top1gating`` (whose ``l_aux`` is the same number as top-2's),
+under :class:`labbook.guard.Guard`: ``top1gating`` (whose ``l_aux`` is the same number as top-2's),
 ``top2gating``, ``topkgating``, the lab's ``labutils.ds.gating`` and every other labutils or DeepSpeed function fail
 the case; ``forbidden=`` adds the chapter's own notebook helpers (section 4's ``l_aux_by_hand``).
 """

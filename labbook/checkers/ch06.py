@@ -6,7 +6,7 @@ References are independent of the functions the exercises re-implement: single-p
 ``torch.cat`` (the all-gather's backward), a brute-force loop over the received blocks (the local order), and
 DeepSpeed 0.19.8's own ``sharded_moe._capacity`` (through :func:`labbook.checkers.ch02.deepspeed_capacity`,
 with chapter 02's grid of float32 edge cases, so a capacity rounded in float64, or by ``int()``/``round()``, fails).
-The student's function runs under :class:`labbook.exercises.Guard`: ``AllGatherFunction``, fastmoe's
+The student's function runs under :class:`labbook.guard.Guard`: ``AllGatherFunction``, fastmoe's
 ``AllGather``, ``expert_parallel.local_order``, ``count_by_gate``, ``traffic.deepspeed_bytes``, the lab's
 ``ds_capacity``, DeepSpeed itself and every other labutils function fail the case.
 """

@@ -6,7 +6,7 @@ The references are written for the checker and independent of the function under
 gradients by a loop over the sorted rows in float64; the timing harness against two steps of KNOWN cost (they
 burn a hidden, seeded amount of CPU time and count their forward and backward calls); the einsum overhead by
 torch's own FLOP counter (``torch.utils.flop_counter.FlopCounterMode``) run on meta tensors of each case's shapes.
-The student's function runs under :class:`labbook.exercises.Guard`: any call into labutils (``gather_combine``,
+The student's function runs under :class:`labbook.guard.Guard`: any call into labutils (``gather_combine``,
 ``MOEGatherCombine``, ``labutils.perf.timing.bench``, ``labutils.perf.dispatch.einsum``, ...), DeepSpeed or fastmoe
 fails the case, and so does the FLOP counter itself in the einsum exercise.
 """
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from labbook.exercises import check_exercise, trusted
+from labbook.exercises import check_exercise
+from labbook.guard import trusted
 
 # --- exercise 1: the combine as one index_add ----------------------------------------------------------------
 
