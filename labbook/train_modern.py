@@ -12,13 +12,15 @@ Routers with an auxiliary-loss-free bias are updated before each optimiser step 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from labbook.study import StudyPreset, build_lm, run_jobs, versus
 from labutils.data import CharBatches, fixed_windows
-from labutils.models import CharLM, make_ffn
+from labutils.models import make_ffn
 from labutils.moe.modern.aux_free import attach_bias_update
 from labutils.moe.modern.layer import ModernMoE
 from labutils.train import evaluate_loss, lm_cross_entropy, train
@@ -96,8 +98,7 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
     out: dict = {k: [] for k in ("val", "final", "final_prefix", "max_over_mean", "entropy", "batch_max_over_mean",
                                   "batch_min_over_mean", "dropped", "logit_rms", "lse2", "seconds")}
     for seed in seeds:
-        torch.manual_seed(seed)
-        model = CharLM(corpus.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.block, ffn)
+        model = build_lm(cfg, ffn, corpus.vocab_size, seed)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         hook = attach_bias_update(opt, model)
         r = train(model, CharBatches(corpus.train, cfg.batch, cfg.block, seed=0), steps=cfg.steps, optimizer=opt,
@@ -143,12 +144,28 @@ def summary_row(res: dict) -> dict:
 
 # --- chapter 09's variants and its recorded full run -------------------------------------------------------
 
+@dataclass(frozen=True)
+class ModernConfig(StudyPreset):
+    """Chapter 09's knobs (the chapter's table says what each does); a recorded run stores :meth:`record`."""
+    d_model: int
+    n_heads: int
+    n_layers: int
+    block: int
+    batch: int
+    steps: int
+    eval_every: int
+    seeds: tuple
+    lr: float
+    bias_rate: float        # the aux-free bias step (DeepSeek-V3: 1e-3)
+    name: str = "custom"
+
+
 PRESETS = {
-    "tiny": dict(d_model=32, n_heads=4, n_layers=1, block=32, batch=16, steps=48, eval_every=16, seeds=(0, 1),
-                 lr=6e-3, bias_rate=1e-2),
+    "tiny": ModernConfig(d_model=32, n_heads=4, n_layers=1, block=32, batch=16, steps=48, eval_every=16,
+                         seeds=(0, 1), lr=6e-3, bias_rate=1e-2, name="tiny"),
     # chapter 05's full-size model (d 64, 2 layers, 64 characters of context), 1000 steps, 3 seeds
-    "full": dict(d_model=64, n_heads=4, n_layers=2, block=64, batch=32, steps=1000, eval_every=250,
-                 seeds=(0, 1, 2), lr=3e-3, bias_rate=1e-3),
+    "full": ModernConfig(d_model=64, n_heads=4, n_layers=2, block=64, batch=32, steps=1000, eval_every=250,
+                         seeds=(0, 1, 2), lr=3e-3, bias_rate=1e-3, name="full"),
 }
 
 
@@ -175,14 +192,11 @@ def variants(d: int, bias_rate: float) -> dict:
     }
 
 
-def _record_one(preset: dict, name: str) -> dict:
+def _record_one(cfg: ModernConfig, name: str) -> dict:
     """In a worker: one variant over the preset's seeds, one thread, reduced to JSON-able numbers."""
-    from types import SimpleNamespace
-
     from labutils.data import stdlib_corpus
 
     torch.set_num_threads(1)
-    cfg = SimpleNamespace(**preset)
     res = run_variant(variants(cfg.d_model, cfg.bias_rate)[name], stdlib_corpus(), cfg, seeds=cfg.seeds,
                       prefix_eval=True)
     row = summary_row(res)
@@ -202,33 +216,28 @@ def _record_one(preset: dict, name: str) -> dict:
     return out
 
 
-def record_full(preset: dict, jobs: int = 2) -> dict:
-    """Every variant of ``preset`` over its seeds, ``jobs`` variants side by side (one thread each)."""
-    import concurrent.futures
-    import multiprocessing
+def record_full(preset: ModernConfig, jobs: int = 2) -> dict:
+    """Every variant of ``preset`` over its seeds, ``jobs`` variants side by side (one thread each;
+    :func:`labbook.study.run_jobs`)."""
     import time
 
-    names = list(variants(preset["d_model"], preset["bias_rate"]))
+    names = list(variants(preset.d_model, preset.bias_rate))
     t0 = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        done = dict(zip(names, pool.map(_record_one, [preset] * len(names), names)))
-    return {"preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()}, "jobs": jobs,
-            "wall_seconds": time.perf_counter() - t0, "variants": [done[n] for n in names]}
+    done = run_jobs(_record_one, [(preset, name) for name in names], jobs)
+    return {"preset": preset.record(), "jobs": jobs, "wall_seconds": time.perf_counter() - t0, "variants": done}
 
 
 def ranking_lines(record: dict, key: str = "final") -> list:
     """Each variant against the best one (lowest mean of its per-seed ``key`` values, e.g. ``"final"``, the last
     evaluation), judged by Welch's t-test over seeds (:func:`labutils.stats.welch`, alpha 0.05)."""
-    from labutils.stats import welch
-
     rows = sorted(record["variants"], key=lambda v: sum(v[key]) / len(v[key]))
     if not rows:
         raise ValueError("the record holds no variant to rank")
     best = rows[0]
+    against_best = versus({v["name"]: v[key] for v in rows}, best["name"], best[key])
     lines = []
     for v in rows:
-        c = welch(v[key], best[key], names=(v["name"], best["name"]))
+        c = against_best[v["name"]]
         sd = 0.0 if math.isnan(c.sd_a) else c.sd_a
         word = ("best" if v is best else f"behind the best (Welch p = {c.p:.3g})" if c.verdict == "behind"
                 else f"not distinguishable from the best (p = {c.p:.3g})")
@@ -245,17 +254,12 @@ def dense_verdicts(record: dict, tol: float = CAUSAL_TOL) -> dict:
     (prefix) evaluation matches its full-forward one within ``tol`` on every seed; a leaky one (expert choice, a
     capacity cut) is judged on its prefix evaluation, as it would generate. Needs ``final`` and
     ``final_prefix`` per variant (records from ``benchmarks/modern_moe.py`` since the prefix evaluation)."""
-    from labutils.stats import welch
-
     by = {v["name"]: v for v in record["variants"]}
     missing = [n for n, v in by.items() if not v.get("final_prefix")]
     if "dense" not in by or missing:
         raise ValueError(f"dense_verdicts needs a dense run and every variant's final_prefix; missing: {missing}")
-    out = {}
-    for name, v in by.items():
-        if name == "dense":
-            continue
-        causal = max(abs(a - b) for a, b in zip(v["final"], v["final_prefix"])) < tol
-        basis = "final" if causal else "final_prefix"
-        out[name] = (welch(v[basis], by["dense"]["final"], names=(name, "dense")), basis, causal)
-    return out
+    causal = {n: max(abs(a - b) for a, b in zip(v["final"], v["final_prefix"])) < tol
+              for n, v in by.items() if n != "dense"}
+    basis = {n: "final" if c else "final_prefix" for n, c in causal.items()}
+    comparisons = versus({n: by[n][basis[n]] for n in causal}, "dense", by["dense"]["final"])
+    return {n: (comparisons[n], basis[n], causal[n]) for n in causal}
