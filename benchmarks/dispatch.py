@@ -32,8 +32,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labutils.optional import available  # noqa: E402
+from labutils.perf.breakdown import core_breakdown  # noqa: E402
 from labutils.perf.dispatch import DESIGNS, make_problem  # noqa: E402
-from labutils.perf.sweep import core_breakdown, measure_point  # noqa: E402
+from labutils.perf.sweep import measure_point  # noqa: E402
 from labutils.perf.timing import (  # noqa: E402
     describe_conditions,
     machine_info,

@@ -26,8 +26,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.perf.layer_bench import bench_shape, find_row, paired_speedup, retain_freed_memory  # noqa: E402
+from labutils.perf.layer_bench import bench_shape, retain_freed_memory  # noqa: E402
 from labutils.perf.timing import machine_info, save_result  # noqa: E402
+from labutils.perf.verdicts import find_row, paired_speedup  # noqa: E402
 
 SHAPES = [dict(T=4096, d=512, h=2048, E=16), dict(T=1024, d=256, h=1024, E=8), dict(T=4096, d=256, h=512, E=64)]
 QUICK = [dict(T=256, d=64, h=128, E=4)]

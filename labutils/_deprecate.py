@@ -54,12 +54,12 @@ DEPRECATED = {
     "parallel": _moved("data_parallel"),
     "comm": _moved("moe.traffic"),
     "ds_gating": _moved("ds.gating"),
-    "roofline": _moved("perf.timing", "perf.sweep"),
+    "roofline": _moved("perf.timing", "perf.sweep", "perf.breakdown"),
     "dispatch": _moved("perf.dispatch"),
     "transformer": _moved("models"),
     "envreport": _moved("nbtools"),
     "moe.parallel": _moved("moe.expert_parallel"),
-    "moe.bench": _moved("perf.layer_bench"),
+    "moe.bench": _moved("perf.layer_bench", "perf.verdicts"),
     # renamed functions
     "models.aux_loss": Shim("name", ("moe.gates.collect_aux_loss",), "0.2.0", "1.0.0"),
     # old calls: limit_by_capacity(gate_idx, tot_expert, capacity) is drop_over_capacity's result

@@ -355,11 +355,14 @@ def test_old_import_paths_forward_with_a_warning(old):
 
 
 def test_roofline_split_in_two_still_forwards_both_halves():
+    import labutils.perf.breakdown as breakdown
     import labutils.perf.sweep as sweep
 
     with pytest.warns(DeprecationWarning, match="labutils.perf.sweep"):
+        from labutils.roofline import measure_point
+    with pytest.warns(DeprecationWarning, match="labutils.perf.breakdown"):
         from labutils.roofline import core_breakdown
-    assert core_breakdown is sweep.core_breakdown
+    assert measure_point is sweep.measure_point and core_breakdown is breakdown.core_breakdown
 
 
 def test_launch_is_the_function_and_old_entry_module_still_runs():

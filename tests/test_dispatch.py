@@ -10,6 +10,7 @@ from torch import nn
 from labutils.compare import compare_tensors
 from labutils.moe import count_by_gate
 from labutils.optional import available
+from labutils.perf.breakdown import PHASES, core_breakdown
 from labutils.perf.dispatch import (
     DESIGNS,
     DeepSpeedMoE,
@@ -21,7 +22,7 @@ from labutils.perf.dispatch import (
     route,
     separate,
 )
-from labutils.perf.sweep import PHASES, core_breakdown, measure_point
+from labutils.perf.sweep import measure_point
 from labutils.perf.timing import peak_memory
 
 TOL = 1e-5
@@ -334,7 +335,7 @@ def _one_thread():
 def test_fault_slowed_design_is_caught_against_the_record():
     """The live paired ratios of a design are tested against a record of the same size (Welch on the rounds,
     beyond a 25% slack): a clean re-run is consistent, grouped_mm doing its matmuls four times is slower."""
-    from labutils.perf.sweep import compare_ratios
+    from labutils.perf.verdicts import compare_ratios
 
     before = _one_thread()
     try:
@@ -352,7 +353,7 @@ def test_fault_slowed_design_is_caught_against_the_record():
 
 def test_fault_mislabelled_phase_is_caught_against_the_record(monkeypatch):
     """The combine charged to expert compute: its share drops to 0, outside the band the record spans."""
-    import labutils.perf.sweep as S
+    import labutils.perf.breakdown as S
 
     before = _one_thread()
     try:
@@ -388,7 +389,7 @@ def test_fault_a_sleeping_step_shows_as_waiting():
 
 
 def test_judge_overhead_reads_the_live_figure():
-    from labutils.perf.sweep import judge_overhead
+    from labutils.perf.breakdown import judge_overhead
 
     assert judge_overhead({"profiler_overhead": 0.83, "overhead_iqr": (0.78, 0.88), "reps": 5})["call"] == "too high"
     assert judge_overhead({"profiler_overhead": 0.3, "overhead_iqr": (0.25, 0.35), "reps": 5})["call"] == "ok"
@@ -406,7 +407,7 @@ def test_breakdown_overhead_compares_like_with_like():
 
 
 def test_target_verdict_needs_two_recordings_that_agree():
-    from labutils.perf.sweep import target_verdict
+    from labutils.perf.verdicts import target_verdict
 
     ahead = [0.95, 0.96, 0.97, 0.95, 0.96]
     behind = [0.80, 0.82, 0.81, 0.79, 0.80]

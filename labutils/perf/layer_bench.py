@@ -8,8 +8,10 @@ the same neighbour, and its page faults, in every round. ``faults MB`` is the me
 * ``dense, same FLOPs``: one MLP with hidden ``top_k * h``: the experts' FLOPs, no routing (the reference);
 * ``E MLPs, pre-sliced``: ``E`` separate MLPs on tokens already grouped by expert: routing-free experts;
 * ``argsort + index_add``: the ~40-line layer people write first (nn.Linear experts, argsort, index_add);
-* ``grouped_mm``: sorted rows through ``torch._grouped_mm`` with ``(E, h, d)`` weights;
-* ``naive loop``: per expert a boolean mask, ``index_select``, MLP, ``index_add`` (optional);
+* ``grouped_mm``: sorted rows through ``torch._grouped_mm`` with ``(E, h, d)`` weights (the ``grouped_mm`` design
+  of :mod:`labutils.perf.dispatch`, :func:`~labutils.perf.dispatch.grouped_moe`, with its own gate and weights);
+* ``naive loop``: per expert a boolean mask, its tokens, MLP, ``index_add`` (optional; the ``loop`` design,
+  :func:`~labutils.perf.dispatch.loop_moe`);
 * ``DeepSpeed cf=...``: ``deepspeed.moe.layer.MoE`` (drop_tokens) at the given capacity factors;
 * ``ours`` and ``ours, again``: :class:`labutils.moe.FMoETransformerMLP` twice, two identical configurations
   whose difference is the repeat-to-repeat spread of this machine.
@@ -17,7 +19,7 @@ the same neighbour, and its page faults, in every round. ``faults MB`` is the me
 Statistics (:func:`row_stats`): per row the median and interquartile range of its times; ``paired`` is the
 median over rounds of (reference time / row time) within the same round, the verdict statistic; ``share`` is
 the fraction of the ``T*top_k`` choices a row computed (DeepSpeed drops the ones over capacity) and
-``kept tok/s`` counts only those.
+``kept tok/s`` counts only those. The table and the verdicts read from it are :mod:`labutils.perf.verdicts`.
 """
 from __future__ import annotations
 
@@ -27,13 +29,13 @@ import random
 import statistics
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..moe.functions import combine, count_by_gate, gather, scatter
 from ..moe.gates import NaiveGate
 from ..moe.transformer import FMoETransformerMLP
+from .dispatch import grouped_moe, loop_moe
 from .timing import clock, clock_name, quartiles
+from .verdicts import format_table
 
 REFERENCE = "dense, same FLOPs"
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -126,7 +128,8 @@ class ArgsortMoE(nn.Module):
 
 
 class GroupedMMMoE(nn.Module):
-    """Sorted rows through ``torch._grouped_mm`` (one call per linear for all experts), weights ``(E, out, in)``."""
+    """Sorted rows through ``torch._grouped_mm`` (one call per linear for all experts), weights ``(E, out, in)``:
+    :func:`~labutils.perf.dispatch.grouped_moe` behind a :class:`~labutils.moe.NaiveGate`."""
 
     def __init__(self, d, h, E, k):
         super().__init__()
@@ -135,36 +138,25 @@ class GroupedMMMoE(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(E, h))
         self.w2 = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
         self.b2 = nn.Parameter(torch.zeros(E, d))
-        self.E, self.k = E, k
 
     def forward(self, x):                                               # (T, d)
-        idx, score = self.gate(x)
-        pos, counts = count_by_gate(idx, self.E)[:2]                    # (N,), (E,)
-        expert = idx.reshape(-1)[pos]                                   # (N,) expert of each sorted row
-        offs = counts.cumsum(0).to(torch.int32)
-        xs = scatter(x, pos, self.k)                                    # (N, d)
-        grouped_mm = torch._grouped_mm  # pyright: ignore[reportPrivateImportUsage]
-        hid = F.gelu(grouped_mm(xs, self.w1.transpose(1, 2), offs=offs) + self.b1[expert])   # (N, h)
-        out = grouped_mm(hid, self.w2.transpose(1, 2), offs=offs) + self.b2[expert]          # (N, d)
-        return combine(gather(out, pos, idx.numel()), score)
+        idx, score = self.gate(x)                                       # (T, k), (T, k)
+        return grouped_moe(x, idx, score, self.w1, self.b1, self.w2, self.b2)
 
 
 class NaiveLoopMoE(nn.Module):
-    """The textbook MoE: for each expert, find its tokens with a mask, run it, add the weighted output."""
+    """The textbook MoE: for each expert, find its tokens with a mask, run it, add the weighted output
+    (:func:`~labutils.perf.dispatch.loop_moe` behind a :class:`~labutils.moe.NaiveGate`, nn.Linear experts)."""
 
     def __init__(self, d, h, E, k):
         super().__init__()
         self.gate = NaiveGate(d, E, 1, k)
         self.experts = nn.ModuleList([mlp(d, h) for _ in range(E)])
 
-    def forward(self, x):
-        idx, score = self.gate(x)                                       # (T, k)
-        y = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            if len(tok):
-                y = y.index_add(0, tok, score[tok, slot, None] * expert(x[tok]))
-        return y
+    def forward(self, x):                                               # (T, d)
+        idx, score = self.gate(x)                                       # (T, k), (T, k)
+        weights = [tuple(e.parameters()) for e in self.experts]         # (w1, b1, w2, b2) of each expert's MLP
+        return loop_moe(x, idx, score, weights)
 
 
 def _ours_row(x, grad, d, h, k, E, name="ours (FMoETransformerMLP)"):
@@ -249,47 +241,6 @@ def row_stats(times: list, reference: list, share: float, tokens: int, faults: l
                 faults_mb_per_step=fault_mb)
 
 
-def round_ratios(a: dict, b: dict) -> list:
-    """Per round, a's kept tokens/s over b's (rows ``a`` and ``b`` of one run): above 1, ``a`` is faster."""
-    return [(a["share"] / ta) / (b["share"] / tb) for ta, tb in zip(a["times_ms"], b["times_ms"])]
-
-
-def paired_speedup(a: dict, b: dict) -> tuple:
-    """Median and IQR over rounds of (a's kept tokens/s / b's kept tokens/s): above 1, ``a`` is faster."""
-    q1, med, q3 = quartiles(round_ratios(a, b))
-    return med, (q1, q3)
-
-
-def pooled_speedup(results: list, a: str, b: str) -> tuple:
-    """Paired speed-up of row ``a`` over row ``b`` (prefixes) with the rounds of several runs of ONE shape
-    pooled: ``(median, (q1, q3), rounds)``. Each round's ratio is still taken within its own round."""
-    ratios = []
-    for result in results:
-        ratios += round_ratios(find_row(result, a), find_row(result, b))
-    if not ratios:
-        raise ValueError("pooled_speedup needs at least one run with timed rounds")
-    q1, med, q3 = quartiles(ratios)
-    return med, (q1, q3), len(ratios)
-
-
-def noise_band(spread: dict) -> float:
-    """How far from 1.0 a paired ratio can land by chance in this run: the larger of the repeat row's
-    distance from 1 (``ours / ours again`` should be exactly 1) and half its IQR. ``spread``: a verdict
-    entry ``{"paired_median", "iqr"}`` of the same layer timed twice."""
-    lo, hi = spread["iqr"]
-    return max(abs(spread["paired_median"] - 1.0), (hi - lo) / 2)
-
-
-def classify(ratio: float, band: float, target: float = 1.0) -> str:
-    """``"ahead"``, ``"tie"`` or ``"behind"``: a paired ratio against ``target`` with the run's noise band.
-    A target met by less than the band is a tie, and so is one missed by less than it."""
-    if ratio > target + band:
-        return "ahead"
-    if ratio < target - band:
-        return "behind"
-    return "tie"
-
-
 def bench_shape(T: int, d: int, h: int, E: int, top_k: int = 2, repeats: int = 5, deepspeed_factors=(1.0,),
                 naive: bool = False, seed: int = 0, verbose: bool = True) -> dict:
     """Time every row on one shape, interleaved in a seeded random order per round (:func:`round_orders`);
@@ -308,27 +259,6 @@ def bench_shape(T: int, d: int, h: int, E: int, top_k: int = 2, repeats: int = 5
     if verbose:
         print(format_table(result))
     return result
-
-
-def find_row(result: dict, prefix: str) -> dict:
-    return next(r for r in result["rows"] if r["row"].startswith(prefix))
-
-
-def format_table(result: dict) -> str:
-    s = result["shape"]
-    head = (f"T={s['T']} d={s['d']} h={s['h']} E={s['E']} top_k={s['top_k']}, fwd+bwd fp32, "
-            f"{result['repeats']} interleaved rounds, {result.get('threads', '?')} thread(s), "
-            f"{result.get('clock', 'wall clock')} (timings are not reproducible)")
-    cols = (f"{'row':<26} {'median ms':>10} {'IQR':>6} {'share':>6} {'kept tok/s':>11} {'faults MB':>9} "
-            f"{'vs dense (paired median, IQR)':>30}")
-    lines = [head, cols]
-    for r in result["rows"]:
-        lo, hi = r["ratio_paired_iqr"]
-        faults = r.get("faults_mb_per_step")
-        faults = f"{faults:>9.0f}" if faults is not None else f"{'-':>9}"
-        lines.append(f"{r['row']:<26} {r['median_ms']:>10.1f} {r['iqr_pct']:>5.0f}% {r['share']:>6.3f} "
-                     f"{r['kept_tokens_per_s']:>11.0f} {faults} {r['ratio_paired_median']:>12.3f} [{lo:.3f}, {hi:.3f}]")
-    return "\n".join(lines)
 
 
 def retain_freed_memory() -> bool:

@@ -207,14 +207,15 @@ class DeepSpeedMoE(nn.Module):
         self.gate = _DeepSpeedLogitsGate(self.moe.deepspeed_moe.gate)
         self.moe.deepspeed_moe.gate = self.gate
         with torch.no_grad():
-            for e, mlp in enumerate(self._experts()):
-                for lin, w, b in ((mlp[0], p.w1, p.b1), (mlp[2], p.w2, p.b2)):
+            for e, linears in enumerate(self._linears()):
+                for lin, w, b in zip(linears, (p.w1, p.w2), (p.b1, p.b2)):
                     lin.weight.copy_(w[e])
                     lin.bias.copy_(b[e])
 
-    def _experts(self) -> nn.ModuleList:
-        """DeepSpeed's experts: one ``nn.Sequential(Linear, GELU, Linear)`` each."""
-        return cast(nn.ModuleList, self.moe.deepspeed_moe.experts.deepspeed_experts)
+    def _linears(self) -> list[tuple[nn.Linear, nn.Linear]]:
+        """Each DeepSpeed expert's two ``nn.Linear`` (its copies of the ``Sequential(Linear, GELU, Linear)``)."""
+        experts = cast(nn.ModuleList, self.moe.deepspeed_moe.experts.deepspeed_experts)
+        return [(cast(nn.Linear, m.get_submodule("0")), cast(nn.Linear, m.get_submodule("2"))) for m in experts]
 
     def forward(self, p: Problem) -> DispatchOut:
         self.gate.logits = p.logits
@@ -223,12 +224,12 @@ class DeepSpeedMoE(nn.Module):
 
     def expert_grads(self) -> dict:
         """``{"w1": (E, h, d), "b1", "w2", "b2"}``: the experts' gradients in the problem's layout."""
-        experts = self._experts()
+        linears = self._linears()
 
         def stack(i, what):
-            return torch.stack([getattr(m[i], what).grad for m in experts])
+            return torch.stack([getattr(pair[i], what).grad for pair in linears])
 
-        return {"w1": stack(0, "weight"), "b1": stack(0, "bias"), "w2": stack(2, "weight"), "b2": stack(2, "bias")}
+        return {"w1": stack(0, "weight"), "b1": stack(0, "bias"), "w2": stack(1, "weight"), "b2": stack(1, "bias")}
 
 
 def _import_deepspeed():

@@ -31,7 +31,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(fns: dict, reps: int = 5, warmup: int = 1, device="cpu", budget_s: float | None = None,
+def bench(fns: dict, reps: int = 5, warmup: int = 1, device: str | torch.device = "cpu", budget_s: float | None = None,
           wall: dict | None = None) -> dict:
     """Time each ``fns[name]()`` ``reps`` times, interleaved; returns ``{name: [seconds, ...]}``.
 
@@ -205,7 +205,8 @@ def peak_memory(fn, device="cpu") -> int:
         fn()
     kineto = prof.profiler.kineto_results  # pyright: ignore[reportOptionalMemberAccess]  (set once profiling ends)
     cpu = torch.autograd.DeviceType.CPU  # pyright: ignore[reportPrivateImportUsage]
-    events = sorted((e.start_ns(), e.nbytes()) for e in kineto.events()  # pyright: ignore[reportAttributeAccessIssue]
+    events = sorted((e.start_ns(), e.nbytes())  # pyright: ignore[reportAttributeAccessIssue]
+                    for e in kineto.events()  # pyright: ignore[reportOptionalMemberAccess]
                     if e.name() == "[memory]" and e.device_type() == cpu)
     current = low = peak = 0
     for _, nbytes in events:
