@@ -2,10 +2,16 @@
 
 * :mod:`labutils.perf.timing`: THE clock (:func:`~labutils.perf.timing.clock`), interleaved timing, matmul
   throughput, peak memory, ``machine_info`` and ``save_result`` for every benchmark record.
-* :mod:`labutils.perf.dispatch`: every dispatch design of an MoE layer on identical weights.
-* :mod:`labutils.perf.sweep`: one problem, every design side by side; the core's profiled time breakdown.
+* :mod:`labutils.perf.problem`: the problem every design solves (weights, routing logits), the shared routing,
+  one training step.
+* :mod:`labutils.perf.dispatch`: the catalogue, every dispatch design of an MoE layer on identical weights (the
+  loop, padded, grouped and einsum designs written there); :mod:`labutils.perf.real_layers`: the designs that
+  are whole layers (the lab's core, DeepSpeed's MoE, real fastmoe).
+* :mod:`labutils.perf.sweep`: one problem, every design side by side, each checked against the naive loop.
+* :mod:`labutils.perf.breakdown`: where the core's time goes (profiled into routing, dispatch, experts, combine).
 * :mod:`labutils.perf.layer_bench`: the chapter-01 layer's speed table (the core against a dense MLP, DeepSpeed,
-  ...), taught in chapter 08 since it moved there from chapter 01.
+  ...), its grouped and loop rows built from the dispatch designs; taught in chapter 08.
+* :mod:`labutils.perf.verdicts`: paired speed-ups, ahead / tie / behind, a live run against its record.
 
 A coursework copy may delete this folder: nothing outside it imports it.
 """

@@ -99,7 +99,8 @@ def grouped_moe(x: torch.Tensor, idx: torch.Tensor, score: torch.Tensor, w1: tor
     :func:`~labutils.moe.modern.experts.grouped_matmul`, ``torch._grouped_mm``): ``x (T, d)``, ``idx``/``score
     (T, k)``, fastmoe's weight layout ``w1 (E, h, d), b1 (E, h), w2 (E, d, h), b2 (E, d)``. Returns ``(T, d)``.
 
-    Constraints (torch 2.13): float32, bfloat16 or float16 (not float64); its backward needs a contiguous
+    Constraints (torch 2.13): float32, bfloat16 or float16 (not float64); empty groups are fine; offsets are the
+    int32 cumulative group ends (``grouped_matmul`` makes them from ``counts``); its backward needs a contiguous
     incoming gradient (``y.sum().backward()`` fails); rows and weight strides 16-byte aligned, on the CPU too
     (``d`` and ``h`` multiples of 4 in float32: found by the property-based test); on CUDA sm90+.
     """
