@@ -226,3 +226,44 @@ def test_bad_input_is_refused_with_a_clear_message():
         lm_study.run_study(dataclasses.replace(TINY, ablations=("top-9",)))
     with pytest.raises(ValueError, match=r"no run of \['dense-wide'\]"):
         lm_study.summarize(fake_record({"dense": [2.0, 2.0], "MoE": [1.9, 1.9]}))
+
+
+def test_both_studies_share_one_preset_type_read_as_attributes_and_as_a_mapping(monkeypatch):
+    from labbook import study, train_modern
+    from labutils import select_preset
+
+    monkeypatch.delenv("LAB_PRESET", raising=False)
+    for presets in (lm_study.PRESETS, train_modern.PRESETS):
+        assert set(presets) == {"tiny", "full"}
+        for name, cfg in presets.items():
+            assert isinstance(cfg, study.StudyPreset) and cfg.name == name
+            assert list(cfg) == [f.name for f in dataclasses.fields(cfg)][:-1] and "name" not in cfg
+            assert cfg["lr"] == cfg.lr and dict(cfg)["seeds"] == cfg.seeds and cfg.record()["seeds"] == list(cfg.seeds)
+        picked = select_preset(**presets, verbose=False)       # labutils' own mechanism takes them as it takes dicts
+        assert picked.as_dict() == dict(presets["tiny"])
+    with pytest.raises(KeyError, match="no knob 'name'"):
+        train_modern.PRESETS["tiny"]["name"]
+    assert dataclasses.asdict(lm_study.PRESETS["tiny"])["name"] == "tiny"   # chapter 05's record keeps the whole config
+
+
+def _cube(x):
+    return x ** 3
+
+
+def test_run_jobs_keeps_the_task_order_in_process_and_side_by_side():
+    from labbook.study import run_jobs
+
+    for jobs in (1, 2):
+        seen = []
+        assert run_jobs(_cube, [(3,), (1,), (2,)], jobs, seen.append) == [27, 1, 8]
+        assert sorted(seen) == [1, 8, 27]                       # done() saw every result (in finishing order)
+
+
+def test_versus_is_welch_against_the_reference_arm():
+    from labbook.study import versus
+    from labutils import stats
+
+    arms = {"a": [1.0, 1.1, 0.9], "b": [2.0, 2.1, 1.9]}
+    got = versus(arms, "ref", [1.5, 1.6, 1.4])
+    assert list(got) == ["a", "b"] and [c.verdict for c in got.values()] == ["ahead", "behind"]
+    assert repr(got["a"]) == repr(stats.welch(arms["a"], [1.5, 1.6, 1.4], names=("a", "ref")))
