@@ -41,11 +41,11 @@ from ..moe.capacity import position_in_expert
 from ..moe.functions import combine, count_by_gate, gather, scatter
 from ..moe.modern.experts import grouped_matmul
 from .problem import DispatchOut, Problem, expert_mlp, fwd_bwd, make_problem, route
-from .real_layers import CoreMoE, DeepSpeedMoE, core, fastmoe
+from .real_layers import CoreMoE, DeepSpeedMoE, core, fastmoe, per_expert_tensors
 
 __all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "loop", "loop_moe", "core", "CoreMoE",
            "padded", "grouped_mm", "grouped_moe", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate",
-           "DESIGNS", "REFERENCES", "build_designs", "fwd_bwd"]
+           "per_expert_tensors", "DESIGNS", "REFERENCES", "build_designs", "fwd_bwd"]
 
 
 # ---- the designs ------------------------------------------------------------------------------
