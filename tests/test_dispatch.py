@@ -234,6 +234,27 @@ def test_timed_core_owns_its_parameters_and_matches_the_fed_core():
     assert len(list(timed.parameters())) == 4 * 5  # per-expert parameters, fastmoe's layout (the gate has none)
 
 
+
+def test_speed_table_rows_are_the_dispatch_designs():
+    """layer_bench's grouped_mm and naive-loop rows run dispatch's grouped_moe and loop_moe behind a NaiveGate:
+    given the same gate and expert weights they compute the same layer (negative control: one expert's weight
+    changed in the loop row makes them differ)."""
+    from labutils.perf.layer_bench import GroupedMMMoE, NaiveLoopMoE
+
+    torch.manual_seed(0)
+    grouped, naive = GroupedMMMoE(8, 16, 4, 2), NaiveLoopMoE(8, 16, 4, 2)
+    with torch.no_grad():
+        naive.gate.load_state_dict(grouped.gate.state_dict())
+        for e, mlp in enumerate(naive.experts):
+            for lin, w, b in ((mlp[0], grouped.w1, grouped.b1), (mlp[2], grouped.w2, grouped.b2)):
+                lin.weight.copy_(w[e])
+                lin.bias.copy_(b[e])
+    x = torch.randn(32, 8)
+    assert compare_tensors("grouped row vs loop row", grouped(x), naive(x), rtol=TOL, atol=TOL).close
+    with torch.no_grad():
+        naive.experts[1][2].weight.add_(0.1)
+    assert not compare_tensors("grouped row vs a changed loop row", grouped(x), naive(x), rtol=TOL, atol=TOL).close
+
 # ---- property-based: every size, not one --------------------------------------------------------------------
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
