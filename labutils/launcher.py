@@ -25,57 +25,29 @@ dies, and then removes the launch directory of a dead caller; a directory left a
 too) is swept by the next launch, which checks whether its owner process is still alive.
 
 The same function runs unchanged under torchrun through ``python -m labutils.torchrun`` (see that module).
+
+This module checks the call and ships it; the rest of the parent side is one idea per file: ``_run`` (the
+zygote, its pipes and events, the wait, the stop), ``_failures`` (results, ``WorkerError`` and its messages),
+``_launchdir`` (the launch directory and its owner), ``backend`` (the backend and threads, as torchrun's).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import inspect
 import io
-import json
 import linecache
 import math
-import mmap
 import numbers
-import os
-import pickle
-import queue
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 
-from ._worker import SLOT_BYTES, descendants, read_calls
+from ._failures import MISMATCH_S, WorkerError  # noqa: F401  (MISMATCH_S: here for the tests and tools)
+from ._launchdir import TMP_PREFIX, _start_time, sweep_stale_dirs  # noqa: F401  (the same)
+from ._run import Run as _Run
+from .backend import choose, default_backend
 from .optional import HINTS
 
 __all__ = ["launch", "WorkerError", "worker_info", "default_backend"]
 
-GRACE_S = 1.0  # after the first failure, how long to wait for the others' reports before killing them
 NOTEBOOK_TIMEOUT_S, SCRIPT_TIMEOUT_S = 120.0, 300.0  # the default timeout inside a Jupyter kernel / elsewhere
-STDERR_TAIL = 20  # last stderr lines kept per rank, shown when a rank is killed by a signal
-TMP_PREFIX = "labutils-launch-"
-MISMATCH_S = 2.0  # every live rank this long in a different collective of the default group: a mismatch
-STOP_GRACE_S = 5.0  # how long stop() lets the zygote kill what is below it before killing it itself
-COMM_ERRORS = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket Timeout",
-               "Gloo connectFullMesh failed", "NCCL communicator was aborted")
-
-
-class WorkerError(RuntimeError):
-    """A rank raised, died or got stuck. ``rank`` is the first failing rank (None at a timeout and when the ranks
-    wait in different collectives).
-
-    ``exitcode`` is the rank's exit code (negative: killed by that signal), ``remote_traceback`` its
-    traceback and ``stacks`` the Python stacks of the ranks that were stuck at a timeout.
-    """
-
-    def __init__(self, message, rank=None, exitcode=None, remote_traceback="", stacks=None):
-        super().__init__(message)
-        self.rank, self.exitcode, self.remote_traceback = rank, exitcode, remote_traceback
-        self.stacks = stacks or {}
 
 
 def _cloudpickle():
@@ -102,15 +74,6 @@ def default_timeout() -> float:
     return NOTEBOOK_TIMEOUT_S if in_notebook() else SCRIPT_TIMEOUT_S
 
 
-def default_backend(world_size: int) -> str:
-    """NCCL when CUDA has at least ``world_size`` GPUs, else gloo."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
 def worker_info() -> dict:
     """Rank, world size, backend and device of the calling worker (for use inside ``fn``)."""
     import torch
@@ -124,11 +87,6 @@ def worker_info() -> dict:
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": backend, "device": device}
-
-
-def _loopback_interface() -> str:
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), names[0] if names else "lo")
 
 
 def _cell_sources() -> dict:
@@ -214,345 +172,6 @@ def _check_call(fn, world_size, args: tuple, kwargs: dict, own: dict) -> None:
                         f"({len(args)} positional, keywords {sorted(kwargs)}); nothing was started") from None
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` (field 22 of /proc/PID/stat), None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        if not os.path.isdir("/proc"):  # no procfs: only whether the pid exists
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return None
-            except PermissionError:
-                pass
-            return "?"
-        return None
-
-
-def _owner_alive(owner: dict) -> bool:
-    started = _start_time(owner["pid"])
-    return started is not None and (started == owner["start"] or "?" in (started, owner["start"]))
-
-
-def sweep_stale_dirs(tmp: str | None = None) -> list:
-    """Remove the launch directories (payload, results, store) whose owner process has died: a caller killed
-    by SIGKILL cannot clean up after itself. Only directories of this user that record an owner are
-    touched. Returns the removed paths."""
-    tmp = tmp or tempfile.gettempdir()
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(tmp):
-            path = os.path.join(tmp, name)
-            if not name.startswith(TMP_PREFIX):
-                continue
-            try:
-                if os.stat(path).st_uid != os.getuid():
-                    continue
-                with open(os.path.join(path, "owner.json")) as f:
-                    alive = _owner_alive(json.load(f))
-            except (OSError, ValueError, KeyError, TypeError):  # being written, or not ours to judge: keep
-                continue
-            if not alive:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _exit_call(summary: str) -> str:
-    """``SystemExit(0)`` (a rank's error summary) -> ``called sys.exit(0)``."""
-    return "called sys.exit" + summary[len("SystemExit"):] if summary.startswith("SystemExit(") else summary
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _package_root() -> str:
-    """The folder to put on the ranks' path so that this package imports under its own name, whatever that
-    is: ``labutils``, a renamed ``mylab``, or a nested ``vendor.labutils`` (then the folder above vendor/).
-    A notebook that changed directory after importing it still finds it."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    for _ in (__package__ or __name__.rpartition(".")[0]).split("."):
-        root = os.path.dirname(root)
-    return root
-
-
-# The zygote runs _worker.py by its path, not as ``-m labutils._worker``: a renamed (``mylab/``) or nested copy
-# of the package, or one imported from a path not on sys.path, starts the same way, and run_path does not put
-# the package's own folder on sys.path (its models.py must not shadow a user's ``models`` module).
-_RUN_WORKER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
-
-
-class _Run:
-    """The state of one launch: processes, pipes, output and events."""
-
-    def __init__(self, world_size, backend, timeout, threads, env, debug=False):
-        self.world_size, self.timeout, self.debug = world_size, timeout, debug
-        sweep_stale_dirs()
-        self.tmpdir = tempfile.mkdtemp(prefix=TMP_PREFIX)
-        with open(os.path.join(self.tmpdir, "owner.json"), "w") as f:
-            json.dump({"pid": os.getpid(), "start": _start_time(os.getpid()) or "?"}, f)
-        self.stderr_tail: dict = collections.defaultdict(lambda: collections.deque(maxlen=STDERR_TAIL))
-        self.events: queue.Queue = queue.Queue()
-        self.pids, self.exits, self.errors = {}, {}, {}
-        self.proc: subprocess.Popen | None = None
-        self.calls: mmap.mmap | None = None
-        self._watched: tuple | None = None  # (the ranks' calls, since when) while every live rank is in one
-        self.threads = threads or max(1, len(os.sched_getaffinity(0)) // world_size)
-        self.backend = backend
-        self.env = env or {}
-
-    # -- start -----------------------------------------------------------------------------------
-    def start(self, payload: bytes) -> None:
-        with open(os.path.join(self.tmpdir, "payload.pkl"), "wb") as f:
-            f.write(payload)
-        with open(os.path.join(self.tmpdir, "calls.bin"), "w+b") as f:  # the collective watch's slots
-            f.truncate(SLOT_BYTES * self.world_size)
-            self.calls = mmap.mmap(f.fileno(), SLOT_BYTES * self.world_size, access=mmap.ACCESS_READ)
-        pipes = [os.pipe() for _ in range(2 * self.world_size)]
-        out_pipes, err_pipes = pipes[: self.world_size], pipes[self.world_size:]
-        cfg = {"world_size": self.world_size, "backend": self.backend, "tmpdir": self.tmpdir,
-               "store_path": os.path.join(self.tmpdir, "store"), "threads": self.threads,
-               "pg_timeout": self.timeout + 60, "parent_pid": os.getpid(),
-               "out_fds": [w for _, w in out_pipes], "err_fds": [w for _, w in err_pipes]}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _RUN_WORKER, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py"),
-             json.dumps(cfg)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            pass_fds=cfg["out_fds"] + cfg["err_fds"], start_new_session=True, env=self._child_env())
-        for _, w in pipes:
-            os.close(w)
-        for rank, (r, _) in enumerate(out_pipes):
-            self._reader(os.fdopen(r, "rb"), ("out", rank))
-        for rank, (r, _) in enumerate(err_pipes):
-            self._reader(os.fdopen(r, "rb"), ("err", rank))
-        self._reader(self.proc.stdout, ("event", None))
-        self._reader(self.proc.stderr, ("zygote", None))
-
-    def _child_env(self) -> dict:
-        env = dict(os.environ)
-        paths = [_package_root()] + [p or os.getcwd() for p in sys.path]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-        iface = _loopback_interface()
-        env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads),
-                   GLOO_SOCKET_IFNAME=iface, NCCL_SOCKET_IFNAME=iface, PYTHONUNBUFFERED="1",
-                   MPLBACKEND=env.get("MPLBACKEND", "agg"))
-        env.pop("MASTER_PORT", None)
-        if self.debug:  # torch checks every collective's op, shapes and dtypes against the other ranks first
-            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        env.update({k: str(v) for k, v in self.env.items()})
-        return env
-
-    def _reader(self, stream, tag) -> None:
-        def pump():
-            for raw in iter(stream.readline, b""):
-                self.events.put((tag, raw.decode("utf-8", "replace").rstrip("\n"), time.time()))
-            stream.close()
-
-        threading.Thread(target=pump, daemon=True).start()
-
-    # -- watch -----------------------------------------------------------------------------------
-    def handle(self, tag, line, when) -> None:
-        kind, rank = tag
-        if kind == "out":
-            print(f"[rank {rank}] {line}", flush=True)
-        elif kind == "err":
-            self.stderr_tail[rank].append(line)
-            print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-        elif kind == "zygote":
-            print(f"[launch] {line}", file=sys.stderr, flush=True)
-        elif line.startswith("pid "):
-            _, r, pid = line.split()
-            self.pids[int(r)] = int(pid)
-        elif line.startswith("exit "):
-            _, r, code = line.split()
-            self.exits[int(r)] = (int(code), when)
-
-    def drain(self, wait: float) -> None:
-        try:
-            self.handle(*self.events.get(timeout=wait))
-            while True:
-                self.handle(*self.events.get_nowait())
-        except queue.Empty:
-            pass
-
-    def failed_ranks(self) -> list:
-        return [r for r, (code, _) in self.exits.items() if code != 0]
-
-    def wait(self) -> list:
-        deadline = time.monotonic() + self.timeout
-        first_failure = None
-        while True:
-            self.drain(0.05)
-            if len(self.exits) == self.world_size and not self.failed_ranks():
-                return self.results()
-            zygote_dead = self.proc is not None and self.proc.poll() is not None and len(self.exits) < self.world_size
-            if (self.failed_ranks() or zygote_dead) and first_failure is None:
-                first_failure = time.monotonic()
-            if first_failure is not None and (time.monotonic() - first_failure > GRACE_S
-                                              or len(self.exits) == self.world_size or zygote_dead):
-                self.drain(0.2)
-                raise self.failure_error()
-            if time.monotonic() > deadline:
-                raise self.timeout_error()
-            if first_failure is None:
-                mismatch = self.mismatch()
-                if mismatch is not None:
-                    raise mismatch
-
-    def mismatch(self) -> WorkerError | None:
-        """A WorkerError when every live rank has sat ``MISMATCH_S`` seconds in the same call of a collective
-        of the default group and the collectives differ (they would wait for each other forever)."""
-        live = [r for r in range(self.world_size) if r not in self.exits]
-        if self.calls is None or len(live) < 2:
-            return None
-        calls = read_calls(self.calls, self.world_size)
-        now = {r: calls[r] for r in live}
-        if not all(inside and world for _, inside, _, world, _ in now.values()) \
-                or len({text.split("(", 1)[0] for *_, text in now.values()}) < 2:
-            self._watched = None
-            return None
-        key = tuple((r, c[0], c[4]) for r, c in now.items())
-        if self._watched is None or self._watched[0] != key:
-            self._watched = (key, time.monotonic())
-            return None
-        waited = time.monotonic() - self._watched[1]
-        if waited < MISMATCH_S:
-            return None
-        stacks = self.stacks(live)
-        calls_text = "; ".join(f"rank {r} is in {text} (its collective call #{seq})"
-                               for r, (seq, _, _, _, text) in now.items())
-        hint = "" if self.debug else (" launch(..., debug=True) makes torch compare every call's op and shapes "
-                                      "as it happens.")
-        msg = (f"the ranks called different collectives and would wait for each other until the timeout "
-               f"({self.timeout:g} s): {calls_text}. Every rank must call the same collectives in the same "
-               f"order (stopped after {waited:.1f} s with no rank moving on; MISMATCH_S = {MISMATCH_S:g}).{hint}"
-               "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{s}" for r, s in stacks.items()))
-        return WorkerError(msg, stacks=stacks)
-
-    def stacks(self, ranks: list) -> dict:
-        """The Python stacks of ``ranks`` (faulthandler, on SIGUSR1)."""
-        for rank in ranks:
-            if rank in self.pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pids[rank], signal.SIGUSR1)
-        time.sleep(0.5)
-        self.drain(0.05)
-        stacks = {}
-        for rank in ranks:
-            path = os.path.join(self.tmpdir, f"stack_{rank}.txt")
-            stacks[rank] = _read(path).strip() if os.path.exists(path) else "(no stack: rank not started)"
-        return stacks
-
-    # -- results and errors ----------------------------------------------------------------------
-    def results(self) -> list:
-        out = []
-        for rank in range(self.world_size):
-            path = os.path.join(self.tmpdir, f"result_{rank}.pkl")
-            if not os.path.exists(path):
-                rec = self._error_record(rank)
-                how = _exit_call(rec["summary"]) if rec is not None else "called os._exit(0)?"
-                raise WorkerError(f"rank {rank} exited with code 0 but left no result: it {how} instead of "
-                                  "returning", rank=rank, exitcode=0, remote_traceback=rec["traceback"] if rec else "")
-            with open(path, "rb") as f:
-                out.append(pickle.load(f))
-        return out
-
-    def _error_record(self, rank):
-        path = os.path.join(self.tmpdir, f"error_{rank}.pkl")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                return pickle.load(f)
-        return None
-
-    def failure_error(self) -> WorkerError:
-        reports = []  # (is_comm_error, time, rank, description, traceback, code)
-        for rank in self.failed_ranks():
-            code, when = self.exits[rank]
-            rec = self._error_record(rank)
-            if rec is not None:
-                comm = any(s in rec["summary"] for s in COMM_ERRORS)
-                reports.append((comm, rec["time"], rank, f"raised {rec['summary']}", rec["traceback"], code))
-            elif code < 0:
-                reports.append((False, when, rank, f"was killed by {_signal_name(code)}", "", code))
-            else:
-                reports.append((False, when, rank, f"exited with code {code}", "", code))
-        if not reports:
-            proc = self.proc
-            tail = f" (zygote exit code {proc.returncode})" if proc is not None and proc.poll() is not None else ""
-            return WorkerError(f"the worker launcher died before the ranks finished{tail}; see [launch] lines")
-        reports.sort(key=lambda r: (r[0], r[1]))
-        _, _, rank, what, tb, code = reports[0]
-        msg = f"rank {rank} {what}"
-        left = self._left_early() if reports[0][0] else []
-        if left:  # the peers only saw a closed connection: name the rank that left first, and how
-            r, how = left[0]
-            msg = (f"rank {r} {how} while the other ranks still waited for it in a collective; "
-                   f"then rank {rank} {what}")
-            rank, code = r, self.exits[r][0]
-        others = [f"rank {x[2]} {x[3]}" for x in reports[1:]]
-        if others:
-            msg += "\nthen: " + "; ".join(others)
-        for r in sorted({x[2] for x in reports if x[5] < 0} | ({rank} if code < 0 else set())):
-            if self.stderr_tail.get(r):
-                msg += f"\n\n--- last stderr lines of rank {r} ---\n" + "\n".join(self.stderr_tail[r])
-        if tb:
-            msg += f"\n\n--- remote traceback of rank {reports[0][2]} ---\n{tb.rstrip()}"
-        return WorkerError(msg, rank=rank, exitcode=code, remote_traceback=tb)
-
-    def _left_early(self) -> list:
-        """Ranks that finished without an error (returned, or ``sys.exit(0)``) while others failed, first
-        first, with what they did."""
-        done = sorted((when, r) for r, (code, when) in self.exits.items() if code == 0)
-        out = []
-        for _, r in done:
-            rec = self._error_record(r)
-            how = _exit_call(rec["summary"]) if rec is not None else "returned from the function"
-            out.append((r, f"{how} (exit code 0)"))
-        return out
-
-    def timeout_error(self) -> WorkerError:
-        stuck = [r for r in range(self.world_size) if r not in self.exits]
-        stacks = self.stacks(stuck)
-        parts = [f"--- rank {r} stack ---\n{s}" for r, s in stacks.items()]
-        hint = "" if self.debug else ("\nIf the ranks called different collectives (say rank 0 all_reduce, "
-                                      "rank 1 broadcast), launch(..., debug=True) reports that at once.")
-        return WorkerError(f"timed out after {self.timeout:g} s; ranks {stuck} had not finished "
-                           f"(stuck in or never reaching a collective?){hint}\n\n" + "\n\n".join(parts),
-                           stacks=stacks)
-
-    # -- stop ------------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop every process of the launch: the zygote kills what is below it (ranks, and whatever they started,
-        in any session) on SIGTERM; what is left after ``STOP_GRACE_S`` is killed from here."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    self.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(STOP_GRACE_S)
-            left = descendants(self.proc.pid) if self.proc.poll() is None else []
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the zygote and every rank share its session
-            for pid in [*self.pids.values(), *left]:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.calls is not None:
-            self.calls.close()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | None = None,
            threads: int | None = None, env: dict | None = None, debug: bool = False, fn_kwargs: dict | None = None,
            **kwargs) -> list:
@@ -592,14 +211,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
     timeout = _check_arguments(world_size, timeout, threads, env, args, kwargs)
     if not isinstance(debug, bool):
         raise TypeError(f"debug must be True or False, got {debug!r}")
-    backend = default_backend(world_size) if backend == "auto" else backend
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
-    if backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend='nccl' needs CUDA GPUs; none is available here (use backend='gloo')")
+    backend, threads = choose(backend, world_size, threads)  # the same choice as under torchrun
     payload = _payload(fn, args, kwargs)
     _check_call(fn, world_size, args, kwargs, own)
     run = _Run(world_size, backend, timeout, threads, env, debug)

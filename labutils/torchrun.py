@@ -17,22 +17,23 @@ import importlib
 import os
 import sys
 
+from .backend import choose
+
 
 def init_from_env(backend: str = "auto") -> str:
-    """Initialise torch.distributed from torchrun's environment variables; returns the backend."""
+    """Initialise torch.distributed from torchrun's environment variables; returns the backend (``"auto"``:
+    NCCL when CUDA has a GPU for each local rank, else gloo; threads: this machine's cores over its ranks)."""
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         return dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+    backend, threads = choose(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # as launch chooses
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     dist.init_process_group(backend, init_method="env://", **kwargs)
     return backend
