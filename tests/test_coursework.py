@@ -258,8 +258,9 @@ def _changelog_names() -> set:
     return names - gone
 
 
-def test_every_public_name_in_the_changelog_still_resolves():
-    """Names released in a version keep working in later ones (as deprecated aliases if renamed)."""
+def test_every_public_name_in_the_changelog_still_resolves(recwarn):
+    """Names released in a version keep working in later ones (as deprecated aliases if renamed: their warnings
+    are recorded here, not raised)."""
     names = _changelog_names()
     assert len(names) > 30, names
     missing = []
