@@ -5,18 +5,35 @@ the reverse all-to-all (the split sizes swap roles).
 
 The all-gather helpers handle ranks holding different batch sizes (pad to the largest, gather, drop the
 padding): ``all_gather_same_dim``, ``gather_sizes``, ``all_gather_variable_dim``, the differentiable
-``all_gather`` / ``AllGather`` (gradient: own slice, or summed over ranks) and ``split_by_rank``.
+``all_gather`` / ``AllGather`` (gradient: own slice, or summed over ranks), ``split_by_rank``, and its adjoint
+``Slice`` (this rank's rows of a replicated batch; the gradient is all-gathered).
 
 Bad input fails on every rank alike, before any data moves: with ``check=True`` (the default) each of these
 first all-gathers one small int64 row per rank (dtype, shape, ``sizes=`` or split sizes) and raises
 :class:`CollectiveMismatch` (a ValueError; IndexError for a ``dim`` out of range) naming every rank's value
 when they disagree. Without it gloo aborts the process (SIGABRT), reads one dtype's bits as another's or
 returns rows nobody sent. ``check=False`` skips that collective where the sizes come from an exchange.
+The checks themselves live in :mod:`labutils.agreement` (the lab's one cross-rank agreement check).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .agreement import (
+    BAD_DIM,
+    MAX_DIMS,
+    OK,
+    ZERO_DIM,
+    CollectiveMismatch,
+    check_all_to_all,
+    check_gather,
+    local_problem,
+)
+
+__all__ = ["require_process_group", "CollectiveMismatch", "all_to_all", "pad_dim_to", "all_gather_same_dim",
+           "gather_sizes", "all_gather_variable_dim", "AllGatherFunction", "all_gather", "AllGather", "slice_sizes",
+           "rank_slice", "Slice", "split_by_rank"]
 
 
 def require_process_group(group=None, world_size: int | None = None, what: str = "this collective") -> None:
@@ -29,104 +46,6 @@ def require_process_group(group=None, world_size: int | None = None, what: str =
     if world_size is not None and dist.get_world_size(group) != world_size:
         raise ValueError(f"{what}: world_size={world_size}, but the process group has "
                          f"{dist.get_world_size(group)} ranks")
-
-
-# --------------------------------------------------------------------------------------------------
-# agreement checks: one small all_gather of metadata so that bad input fails on EVERY rank, clearly,
-# before any data moves (a collective whose ranks disagree on shapes or dtypes crashes gloo with SIGABRT,
-# reads one dtype's bits as another's, or hands back uninitialised rows)
-# --------------------------------------------------------------------------------------------------
-MAX_DIMS = 16  # tensors with more dims than this are refused by the checked collectives
-_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-_OK, _ZERO_DIM, _BAD_DIM, _TOO_MANY_DIMS, _BAD_SPLITS = range(5)
-
-
-class CollectiveMismatch(ValueError):
-    """Ranks called a collective with inputs that do not fit together; raised on every rank alike."""
-
-
-def _dtype_of(code: int):
-    return _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype #{code}"
-
-
-def _local_problem(t: torch.Tensor, dim: int | None) -> tuple[int, str]:
-    """(code, text) of what is wrong with this rank's own input, before any exchange."""
-    if dim is not None and t.dim() == 0:
-        return _ZERO_DIM, "passed a 0-d tensor (a scalar); gather t.reshape(1) instead"
-    if dim is not None and not -t.dim() <= dim < t.dim():
-        return _BAD_DIM, f"passed dim={dim}, out of range for a tensor with ndim={t.dim()} " \
-                         f"(expected {-t.dim()}..{t.dim() - 1})"
-    if t.dim() > MAX_DIMS:
-        return _TOO_MANY_DIMS, f"passed a tensor with ndim={t.dim()} (the checked collectives take at most " \
-                               f"{MAX_DIMS}; pass check=False)"
-    return _OK, ""
-
-
-def _gather_rows(row: list, like: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's int64 ``row`` (all of the same length): ``(world, len(row))``. The one metadata collective."""
-    mine = torch.tensor(row, dtype=torch.long, device=like.device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return torch.stack(out).cpu()
-
-
-def _raise_everywhere(what: str, problems: list, error: type[Exception] = CollectiveMismatch) -> None:
-    """Raise the same message on every rank (each rank computed ``problems`` from the same gathered rows)."""
-    if problems:
-        raise error(f"{what}: " + "; ".join(problems) + " (raised on every rank before any data moved)")
-
-
-def _check_gather(t: torch.Tensor, dim: int | None, sizes, group, what: str) -> list:
-    """Exchange (problem, dtype, ndim, size along dim, the other dims, given sizes); raise alike on every rank
-    when anything disagrees. ``dim=None``: every dim must agree (``all_gather_same_dim``).
-    Returns every rank's size along ``dim``."""
-    world = dist.get_world_size(group)
-    code, text = _local_problem(t, dim)
-    given = [-1] * world
-    if sizes is not None:
-        given_list = [int(s) for s in torch.as_tensor(sizes).reshape(-1).tolist()]
-        if len(given_list) != world:
-            code, text = _BAD_SPLITS, f"passed sizes= with {len(given_list)} entries for {world} ranks"
-        else:
-            given = given_list
-    ok = code == _OK
-    d = (dim % t.dim()) if ok and dim is not None else -1
-    shape = list(t.shape) if ok else []
-    size = shape[d] if d >= 0 else -1
-    other = [s for i, s in enumerate(shape) if i != d]
-    row = [code, _DTYPES.index(t.dtype), t.dim(), size] + (other + [-1] * MAX_DIMS)[:MAX_DIMS] + given
-    rows = _gather_rows(row, t, group)                                          # (W, 4 + MAX_DIMS + W)
-    texts = _gather_texts(text, rows, group)
-    problems = [f"rank {r} {texts[r]}" for r in range(world) if rows[r, 0] != _OK]
-    errors = {int(rows[r, 0]) for r in range(world)} - {_OK}
-    if problems:
-        _raise_everywhere(what, problems, IndexError if errors == {_BAD_DIM} else CollectiveMismatch)
-    dtypes = [_dtype_of(int(c)) for c in rows[:, 1]]
-    if len(set(dtypes)) > 1:
-        problems.append("ranks disagree on dtype: " + ", ".join(f"rank {r} {dt}" for r, dt in enumerate(dtypes))
-                        + " (every rank must pass the same dtype)")
-    others = [tuple(int(s) for s in rows[r, 4:4 + int(rows[r, 2]) - (dim is not None)]) for r in range(world)]
-    if len({int(n) for n in rows[:, 2]}) > 1 or len(set(others)) > 1:
-        label = "shape" if dim is None else f"the dims other than dim {dim}"
-        problems.append(f"ranks disagree on {label}: "
-                        + ", ".join(f"rank {r} {list(o)} (ndim {int(rows[r, 2])})" for r, o in enumerate(others)))
-    actual = [int(s) for s in rows[:, 3]]
-    for r in range(world):
-        claimed = [int(s) for s in rows[r, 4 + MAX_DIMS:]]
-        if claimed[0] != -1 and claimed != actual:
-            problems.append(f"rank {r} passed sizes={claimed} but the ranks hold {actual} along dim {dim}")
-    _raise_everywhere(what, problems)
-    return actual
-
-
-def _gather_texts(text: str, rows: torch.Tensor, group) -> list:
-    """The ranks' own problem descriptions; a second (object) gather only when some rank has a problem, which
-    every rank knows from ``rows``: the good path stays at one collective."""
-    if bool((rows[:, 0] == _OK).all()):
-        return [""] * rows.shape[0]
-    texts: list = [None] * rows.shape[0]
-    dist.all_gather_object(texts, text, group=group)
-    return texts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -179,37 +98,8 @@ def all_to_all(x: torch.Tensor, output_split_sizes, input_split_sizes, group=Non
         if problem:
             raise ValueError(f"all_to_all: {problem}")
         return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
-    _check_all_to_all(x, output_split_sizes, input_split_sizes, problem, group)
+    check_all_to_all(x, output_split_sizes, input_split_sizes, problem, group)
     return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
-
-
-def _check_all_to_all(x, output_split_sizes, input_split_sizes, problem: str, group) -> None:
-    world = dist.get_world_size(group)
-    code = _BAD_SPLITS if problem else _OK
-    pad = [-1] * world
-    sent, expected = (pad, pad) if problem else (input_split_sizes, output_split_sizes)
-    trailing = list(x.shape[1:]) if not problem else []
-    row = [code, _DTYPES.index(x.dtype), x.dim()] + (trailing + [-1] * MAX_DIMS)[:MAX_DIMS] + sent + expected
-    rows = _gather_rows(row, x, group)                                    # (W, 3 + MAX_DIMS + 2W)
-    texts = _gather_texts(problem, rows, group)
-    problems = [f"rank {r} {texts[r]}" for r in range(world) if rows[r, 0] != _OK]
-    _raise_everywhere("all_to_all", problems)
-    dtypes = [_dtype_of(int(c)) for c in rows[:, 1]]
-    if len(set(dtypes)) > 1:
-        problems.append("ranks disagree on dtype: " + ", ".join(f"rank {r} {dt}" for r, dt in enumerate(dtypes)))
-    trail = [tuple(int(s) for s in rows[r, 3:3 + int(rows[r, 2]) - 1]) for r in range(world)]
-    if len(set(trail)) > 1:
-        problems.append("ranks disagree on the dims after dim 0: "
-                        + ", ".join(f"rank {r} {list(t)}" for r, t in enumerate(trail)))
-    sends = rows[:, 3 + MAX_DIMS:3 + MAX_DIMS + world]                        # sends[s, r]: rows s sends to r
-    expects = rows[:, 3 + MAX_DIMS + world:]                                  # expects[r, s]: rows r expects from s
-    for r in range(world):
-        for s in range(world):
-            if int(expects[r, s]) != int(sends[s, r]):
-                problems.append(f"rank {r} expects {int(expects[r, s])} rows from rank {s} "
-                                f"(output_split_sizes[{s}]) but rank {s} sends it {int(sends[s, r])} "
-                                f"(input_split_sizes[{r}])")
-    _raise_everywhere("all_to_all", problems)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +124,7 @@ def all_gather_same_dim(t: torch.Tensor, group=None, *, check: bool = True) -> l
     rank when they differ; ``check=False`` skips that collective (then a mismatch may crash or hang gloo)."""
     require_process_group(group)
     if check:
-        _check_gather(t, None, None, group, "all_gather_same_dim")
+        check_gather(t, None, None, group, "all_gather_same_dim")
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t, group=group)
@@ -243,10 +133,10 @@ def all_gather_same_dim(t: torch.Tensor, group=None, *, check: bool = True) -> l
 
 def gather_sizes(t: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
     """``(world_size,)`` int64: the size of ``dim`` on every rank."""
-    code, text = _local_problem(t, dim)
-    if code == _ZERO_DIM:
+    code, text = local_problem(t, dim)
+    if code == ZERO_DIM:
         raise ValueError(f"gather_sizes: this rank {text}")
-    if code == _BAD_DIM:
+    if code == BAD_DIM:
         raise IndexError(f"gather_sizes: this rank {text}")
     size = torch.tensor(t.shape[dim], device=t.device, dtype=torch.long)
     return torch.stack(all_gather_same_dim(size, group, check=False))
@@ -267,14 +157,14 @@ def all_gather_variable_dim(t: torch.Tensor, dim: int = 0, sizes=None, group=Non
     """
     require_process_group(group)
     if check:
-        actual = _check_gather(t, dim, sizes, group, "all_gather_variable_dim")
+        actual = check_gather(t, dim, sizes, group, "all_gather_variable_dim")
         dim = dim % t.dim()
         sizes = torch.tensor(actual, dtype=torch.long, device=t.device) if sizes is None else \
             torch.as_tensor(sizes, dtype=torch.long)
     else:
-        code, text = _local_problem(t, dim)
-        if code != _OK:
-            raise (IndexError if code == _BAD_DIM else ValueError)(f"all_gather_variable_dim: this rank {text}")
+        code, text = local_problem(t, dim)
+        if code != OK:
+            raise (IndexError if code == BAD_DIM else ValueError)(f"all_gather_variable_dim: this rank {text}")
         dim = dim % t.dim()
         sizes = gather_sizes(t, dim, group) if sizes is None else torch.as_tensor(sizes, dtype=torch.long)
     sizes_list = [int(s) for s in sizes.tolist()]
@@ -350,6 +240,37 @@ class AllGather(torch.nn.Module):
 
     def forward(self, x, sizes=None):
         return all_gather(x, self.dim, sizes, self.grad, check=self.check)
+
+
+def slice_sizes(num_rows: int, slice_size: int) -> list:
+    """Rows each of ``slice_size`` ranks takes of a batch: ``torch.tensor_split``'s sizes (the first
+    ``num_rows % slice_size`` get one more)."""
+    return [len(r) for r in torch.arange(num_rows).tensor_split(slice_size)]
+
+
+def rank_slice(t: torch.Tensor, rank: int, slice_size: int) -> torch.Tensor:
+    """The rows of ``t`` (dim 0) rank ``rank`` of ``slice_size`` takes, as :func:`slice_sizes` splits them."""
+    sizes = slice_sizes(t.shape[0], slice_size)
+    start = sum(sizes[:rank])
+    return t[start:start + sizes[rank]]
+
+
+class Slice(torch.autograd.Function):
+    """fastmoe's ``Slice.apply(inp, rank, world_size, group)``: this rank's slice of a batch every rank of
+    ``group`` holds (:func:`rank_slice`). Backward all-gathers the slices' gradients, so each rank gets the
+    gradient of the whole (replicated) input. Unlike fastmoe (``B // world_size`` rows each, the remainder
+    dropped) an uneven batch is split as ``torch.tensor_split`` does, so no row is lost. (Chapter 01's
+    ``slice_group``.)"""
+
+    @staticmethod
+    def forward(ctx, inp, rank, world_size, group):
+        ctx.sizes, ctx.group = slice_sizes(inp.shape[0], world_size), group
+        return rank_slice(inp, rank, world_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, _ = all_gather_variable_dim(grad.contiguous(), 0, sizes=torch.tensor(ctx.sizes), group=ctx.group)
+        return full, None, None, None
 
 
 def split_by_rank(x):

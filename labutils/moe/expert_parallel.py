@@ -21,13 +21,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_same_dim, all_to_all, require_process_group
+from ..agreement import disagreements, dtype_code, dtype_name, gather_rows
+from ..collectives import all_to_all, require_process_group
+from .capacity import exchange_counts
 
-__all__ = ["exchange_and_run", "exchange_counts", "local_order", "check_agreement", "assign_layer_ids",
-           "layer_id", "ExpertParallelMismatch", "shard_state"]
+__all__ = ["exchange_and_run", "exchange_counts", "local_order", "to_experts", "from_experts", "check_agreement",
+           "assign_layer_ids", "layer_id", "ExpertParallelMismatch", "shard_state"]
 
 _MAGIC = 0x6D6F65  # "moe": tells our agreement gather apart from a stray all_gather of the same shape
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _FIELDS = ["check tag", "world size", "num_expert", "d_model", "layer id", "call number of this layer",
            "dtype", "grad enabled", "counts length"]
 
@@ -74,45 +75,33 @@ def _next_call(layer) -> int:
 
 
 # ---- agree -----------------------------------------------------------------------------------------
-def _fingerprint(layer, x_sorted, local_expert_count, world: int) -> torch.Tensor:
-    dtype = _DTYPES.index(x_sorted.dtype) if x_sorted.dtype in _DTYPES else -1
-    values = [_MAGIC, world, int(layer.num_expert), int(x_sorted.shape[-1]), layer_id(layer), _next_call(layer),
-              dtype, int(torch.is_grad_enabled()), int(local_expert_count.numel())]
-    return torch.tensor(values, dtype=torch.long, device=x_sorted.device)
+def _fingerprint(layer, x_sorted, local_expert_count, world: int) -> list:
+    return [_MAGIC, world, int(layer.num_expert), int(x_sorted.shape[-1]), layer_id(layer), _next_call(layer),
+            dtype_code(x_sorted.dtype), int(torch.is_grad_enabled()), int(local_expert_count.numel())]
 
 
 def check_agreement(layer, x_sorted, local_expert_count, group=None) -> None:
-    """One small all_gather of (world size, num_expert, d_model, layer id, call number, dtype, grad mode).
+    """One small all_gather of (world size, num_expert, d_model, layer id, call number, dtype, grad mode)
+    (``labutils.agreement.gather_rows``, the lab's one agreement check).
 
     Raises :class:`ExpertParallelMismatch` on EVERY rank (each sees every fingerprint) when they differ,
     naming the field and each rank's value, so the exchange never starts with mismatched shapes.
     """
     world = dist.get_world_size(group)
-    mine = _fingerprint(layer, x_sorted, local_expert_count, world)
-    rows = torch.stack(all_gather_same_dim(mine, group, check=False)).cpu()  # (W, fields)
-    bad = [i for i in range(rows.shape[1]) if not bool((rows[:, i] == rows[0, i]).all())]
+    rows = gather_rows(_fingerprint(layer, x_sorted, local_expert_count, world), x_sorted, group)  # (W, fields)
+    bad = disagreements(rows, _FIELDS, show={"dtype": dtype_name})                    # field -> its line
     if bad:
-        lines = [f"  {_FIELDS[i]}: " + ", ".join(f"rank {r}={int(v)}" for r, v in enumerate(rows[:, i]))
-                 for i in bad]
         hint = ""
-        if 4 in bad or 5 in bad:
+        if bad.keys() & {"layer id", "call number of this layer"}:
             hint = "\n(a rank skipped or repeated an MoE layer: every rank must call every layer, even with 0 tokens)"
-        if 0 in bad:
+        if "check tag" in bad:
             hint = "\n(a rank is in a different collective: it skipped the MoE layer or called something else)"
         raise ExpertParallelMismatch("expert-parallel ranks disagree before the all-to-all "
-                                     f"(rank {dist.get_rank(group)} speaking):\n" + "\n".join(lines) + hint)
+                                     f"(rank {dist.get_rank(group)} speaking):\n"
+                                     + "\n".join("  " + line for line in bad.values()) + hint)
 
 
-# ---- counts and local order --------------------------------------------------------------------------
-def exchange_counts(local_expert_count: torch.Tensor, world: int, group=None) -> torch.Tensor:
-    """fastmoe's ``global_expert_count``: ``(world*num_expert,)``, entry ``s*num_expert + e`` = rows rank ``s``
-    sends to my local expert ``e``. One all_to_all of ``num_expert`` counts per rank pair."""
-    send = local_expert_count.to(torch.long).contiguous()                     # (W*E,) by destination rank
-    recv = torch.empty_like(send)                                             # (W*E,) by source rank
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
-
-
+# ---- counts and local order (the counts exchange itself is capacity.exchange_counts) -----------------
 def local_order(global_expert_count: torch.Tensor, num_expert: int) -> torch.Tensor:
     """Permutation that turns received rows, ordered (source rank, local expert), into (local expert, source
     rank): ``x_local = x_recv[perm]``. Stable, so each source's rows keep their order."""
@@ -123,7 +112,34 @@ def local_order(global_expert_count: torch.Tensor, num_expert: int) -> torch.Ten
     return torch.argsort(expert * world + src, stable=True).to(global_expert_count.device)
 
 
-# ---- the exchange ------------------------------------------------------------------------------------
+# ---- the exchange (also fastmoe's global_scatter / global_gather: labutils.moe.fastmoe.api) ---------
+def _rows_per_rank(counts: torch.Tensor, world: int) -> list:
+    return counts.long().view(world, -1).sum(1).tolist()
+
+
+def to_experts(x_sorted: torch.Tensor, local_expert_count, global_expert_count, group=None):
+    """Rows sorted by GLOBAL expert -> the rows this rank's experts run, ordered (local expert, source rank):
+    ``(N, ...) -> (N_recv, ...)``, and the local-order permutation used. Differentiable (all_to_all back)."""
+    world = dist.get_world_size(group)
+    send = _rows_per_rank(local_expert_count, world)                          # rows to each rank
+    recv = _rows_per_rank(global_expert_count, world)                         # rows from each rank
+    x_recv = all_to_all(x_sorted, recv, send, group, check=False)             # (N_recv, d) by (src, expert)
+    perm = local_order(global_expert_count, local_expert_count.numel() // world).to(x_recv.device)
+    return x_recv.index_select(0, perm), perm                                 # (N_recv, d) by expert
+
+
+def from_experts(y_local: torch.Tensor, local_expert_count, global_expert_count, group=None, perm=None):
+    """Inverse of :func:`to_experts`: expert outputs back to the ranks, and the order, they came from
+    (``perm``: the permutation ``to_experts`` returned; recomputed when not given)."""
+    world = dist.get_world_size(group)
+    if perm is None:
+        perm = local_order(global_expert_count, local_expert_count.numel() // world).to(y_local.device)
+    send = _rows_per_rank(local_expert_count, world)
+    recv = _rows_per_rank(global_expert_count, world)
+    y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
+    return all_to_all(y_recv, send, recv, group, check=False)                 # (N, d) in x_sorted's order
+
+
 def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Tensor, *, check: bool = True,
                      run=None):
     """Run ``x_sorted`` (rows sorted by GLOBAL expert) through the experts on their ranks: ``(N, d) -> (N, d)``.
@@ -141,17 +157,13 @@ def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Te
     if local_expert_count.numel() != world * ne or int(local_expert_count.sum()) != x_sorted.shape[0]:
         raise ValueError(f"local_expert_count must have world_size*num_expert={world * ne} entries summing to "
                          f"the {x_sorted.shape[0]} rows of x_sorted; got {local_expert_count.tolist()}")
-    global_expert_count = exchange_counts(local_expert_count, world, group)   # (W*E,)
-    send = local_expert_count.view(world, ne).sum(1).tolist()                 # rows to each rank
-    recv = global_expert_count.view(world, ne).sum(1).tolist()                # rows from each rank
-    x_recv = all_to_all(x_sorted, recv, send, group, check=False)   # (N_recv, d) by (src, expert)
-    perm = local_order(global_expert_count, ne)                               # (N_recv,)
+    global_expert_count = exchange_counts(local_expert_count.long(), world, group)  # (W*E,)
+    x_local, perm = to_experts(x_sorted, local_expert_count, global_expert_count, group)  # (N_recv, d)
     fwd_expert_count = global_expert_count.view(world, ne).sum(0)             # (E,) rows per local expert
     run = layer.run_experts if run is None else run
-    y_local = run(x_recv.index_select(0, perm), fwd_expert_count)            # (N_recv, d) by expert
-    y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
-    _record(layer, send, recv, x_sorted)
-    return all_to_all(y_recv, send, recv, group, check=False)       # (N, d) in x_sorted's order
+    y_local = run(x_local, fwd_expert_count)                                  # (N_recv, d) by expert
+    _record(layer, _rows_per_rank(local_expert_count, world), _rows_per_rank(global_expert_count, world), x_sorted)
+    return from_experts(y_local, local_expert_count, global_expert_count, group, perm)  # (N, d)
 
 
 def _record(layer, send, recv, x) -> None:

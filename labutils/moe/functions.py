@@ -53,7 +53,7 @@ class MOEScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
-        grad_x = grad.new_zeros(ctx.num_tokens, grad.shape[-1])
+        grad_x = grad.new_zeros((ctx.num_tokens,) + tuple(grad.shape[1:]))
         return grad_x.index_add_(0, rows, grad), None
 
 
@@ -66,7 +66,7 @@ class MOEGather(torch.autograd.Function):
         if pos.numel() == num_choices:  # nothing dropped: pos is a permutation; reading rows (index_select) is
             inv = torch.empty_like(pos).index_copy_(0, pos, torch.arange(num_choices, device=pos.device))
             return y_sorted.index_select(0, inv)                             # faster than writing them
-        out = y_sorted.new_zeros(num_choices, y_sorted.shape[-1])            # zero rows for dropped choices
+        out = y_sorted.new_zeros((num_choices,) + tuple(y_sorted.shape[1:]))  # zero rows for dropped choices
         return out.index_copy_(0, pos, y_sorted)
 
     @staticmethod
@@ -189,13 +189,22 @@ def check_gate_output(gate_idx, gate_score, num_tokens: int, top_k: int, tot_exp
                          f"(T tokens, top_k choices)")
     if gate_score.numel() != num_tokens * top_k:
         raise ValueError(f"the gate returned gate_score of shape {tuple(gate_score.shape)}; expected {want}")
-    if gate_idx.dtype.is_floating_point or gate_idx.dtype == torch.bool:
-        raise ValueError(f"gate_top_k_idx must hold integer expert ids, got dtype {gate_idx.dtype}")
+    check_expert_ids(gate_idx, tot_expert)
     if not gate_score.dtype.is_floating_point:
         raise ValueError(f"gate_score must be floating point, got dtype {gate_score.dtype}")
-    gate_idx = gate_idx.reshape(want).long()
-    lo, hi = (int(v) for v in torch.aminmax(gate_idx)) if gate_idx.numel() else (-1, -1)
-    if lo < -1 or hi >= tot_expert:
-        raise ValueError(f"gate_top_k_idx holds ids in [{lo}, {hi}]; "
-                         f"expected -1 (dropped) or 0..{tot_expert - 1}")
-    return gate_idx, gate_score.reshape(want)
+    return gate_idx.reshape(want).long(), gate_score.reshape(want)
+
+
+def check_expert_ids(ids: torch.Tensor, tot_expert: int, name: str = "gate_top_k_idx",
+                     dtype_error: type[Exception] = ValueError) -> None:
+    """The lab's one expert-id check: integer ids, each ``-1`` (dropped) or ``0 .. tot_expert-1``.
+
+    Raises ``dtype_error`` (ValueError for a gate's output; fastmoe's ``count_by_gate`` raises TypeError) for
+    floating or bool ids and ValueError for ids out of range, naming ``name`` and the range found."""
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise dtype_error(f"{name} must hold integer expert ids, got dtype {ids.dtype}")
+    if ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < -1 or hi >= tot_expert:
+            raise ValueError(f"{name} holds expert ids in [{lo}, {hi}]; expected -1 (dropped) or "
+                             f"0..{tot_expert - 1} (num_expert * world_size - 1)")

@@ -11,12 +11,14 @@ Same signatures and results as fastmoe (laekov/fastmoe ``fmoe/functions.py``, ``
     limit_by_capacity(topk_idx, num_expert, world_size, capacity) -> (new_lec, new_gec, topk_idx)  # capacity.py
     Slice / AllGather                                                           # slice_group's two steps
 
-``world_size > 1`` exchanges rows with ``all_to_all`` over the group given to :func:`ensure_comm` (default:
-every rank), so these run on gloo. Where fastmoe's CUDA kernels leave an order open (positions within an
-expert) this file picks the deterministic one: flattened order. ``limit_by_capacity`` is
-``labutils.moe.capacity``'s (the one capacity cut of the core), re-exported under fastmoe's module name.
-The lab's own step-by-step API (``labutils.moe.count_by_gate`` returning ``(pos, counts)``, ``scatter``,
-``gather``, ``combine``) stays in ``functions.py``.
+A thin face: every step is the core's, adapted to fastmoe's signatures, never a second implementation. Counting
+is ``functions.count_by_gate`` (plus the counts exchange, ``capacity.exchange_counts``); ``MOEScatter`` /
+``MOEGather`` are the core's scatter and gather Functions around ``expert_parallel.to_experts`` /
+``from_experts`` (the all-to-all of chapter 06) when ``world_size > 1``, over the group given to
+:func:`ensure_comm` (default: every rank), so these run on gloo; ``AllGather`` is ``collectives.all_gather``,
+``Slice`` ``collectives.Slice``, ``limit_by_capacity`` ``capacity.limit_by_capacity`` (positional, as fastmoe).
+Where fastmoe's CUDA kernels leave an order open (positions within an expert) the core picks the deterministic
+one: flattened order.
 """
 from __future__ import annotations
 
@@ -25,15 +27,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ...collectives import all_gather_variable_dim, require_process_group
-from ..capacity import exchange_counts, limit_by_capacity
+from ...collectives import Slice, all_gather, require_process_group, slice_sizes
+from .. import functions as core
+from ..capacity import exchange_counts
+from ..capacity import limit_by_capacity as _limit_by_capacity
+from ..expert_parallel import from_experts, to_experts
+from ..layers import DP_COMM, mark_module_parallel_comm
 from ..tree import tree_flatten, tree_map
 
 __all__ = ["ensure_comm", "get_moe_group", "count_by_gate", "prepare_forward", "MOEScatter", "MOEGather",
-           "AllGather", "Slice", "limit_by_capacity", "mark_module_parallel_comm", "_fmoe_general_global_forward"]
+           "AllGather", "Slice", "limit_by_capacity", "mark_module_parallel_comm", "_fmoe_general_global_forward",
+           "slice_sizes", "DP_COMM"]
 
 _moe_group: Any = None
-DP_COMM = "dp_comm"  # the parameter attribute fastmoe's DistributedGroupedDataParallel reads
 
 
 def ensure_comm(t: torch.Tensor, comm=None) -> None:
@@ -49,23 +55,6 @@ def get_moe_group():
     return _moe_group
 
 
-def mark_module_parallel_comm(module: torch.nn.Module, comm: str) -> None:
-    """Tag every parameter of ``module`` with ``dp_comm = comm`` (read by ``DistributedGroupedDataParallel``)."""
-    for p in module.parameters():
-        setattr(p, DP_COMM, comm)
-
-
-# ---- counts ----------------------------------------------------------------------------------------
-def _check_ids(flat: torch.Tensor, tot_expert: int) -> None:
-    if flat.dtype.is_floating_point or flat.dtype == torch.bool:
-        raise TypeError(f"the gate must hold integer expert ids, got dtype {flat.dtype}")
-    if flat.numel():
-        lo, hi = (int(v) for v in torch.aminmax(flat))
-        if lo < -1 or hi >= tot_expert:
-            raise ValueError(f"gate holds expert ids in [{lo}, {hi}]; expected -1 (dropped) or "
-                             f"0..{tot_expert - 1} (num_expert * world_size - 1)")
-
-
 def count_by_gate(gate: torch.Tensor, num_expert: int, world_size: int, require_pos: bool = True):
     """fastmoe's ``count_by_gate``: ``(pos, local_expert_count, global_expert_count)``.
 
@@ -73,19 +62,13 @@ def count_by_gate(gate: torch.Tensor, num_expert: int, world_size: int, require_
     flattened positions of the kept choices sorted by expert (``None`` unless ``require_pos``);
     ``local_expert_count`` ``(world_size*num_expert,)`` int64: choices for each global expert;
     ``global_expert_count``: the same counts as received, entry ``w*num_expert + e`` = rows rank ``w`` sends
-    to this rank's expert ``e`` (one ``all_to_all`` when ``world_size > 1``).
+    to this rank's expert ``e`` (one ``all_to_all`` when ``world_size > 1``). The core's ``count_by_gate``.
     """
-    tot = num_expert * world_size
     with torch.no_grad():
-        _check_ids(gate, tot)
-        flat = gate.reshape(-1).long()                                        # (T*k,)
-        key = torch.where(flat >= 0, flat, torch.full_like(flat, tot))
-        lec = torch.bincount(key, minlength=tot + 1)[:tot]                    # (W*E,)
+        core.check_expert_ids(gate, num_expert * world_size, "the gate", dtype_error=TypeError)
+        pos, lec = core.count_by_gate(gate.long(), num_expert, world_size)     # (N,), (W*E,)
         gec = exchange_counts(lec, world_size, get_moe_group()) if world_size > 1 else lec
-        pos = None
-        if require_pos:
-            pos = torch.argsort(key, stable=True)[: int(lec.sum())]           # (N,)
-    return pos, lec, gec
+    return (pos if require_pos else None), lec, gec
 
 
 def prepare_forward(gate: torch.Tensor, num_expert: int, world_size: int):
@@ -102,92 +85,33 @@ def prepare_forward(gate: torch.Tensor, num_expert: int, world_size: int):
     return pos, lec.cpu(), gec.cpu(), fwd_expert_count.cpu(), fwd_batch_size
 
 
-# ---- moving rows between ranks (what fastmoe's global_scatter / global_gather kernels do) ----------
-def _local_order(gec: torch.Tensor, num_expert: int) -> torch.Tensor:
-    """Received rows come ordered (source rank, expert); this permutation makes them (expert, source rank)."""
-    counts = gec.long().cpu()
-    block = torch.repeat_interleave(torch.arange(counts.numel()), counts)       # block of each received row
-    world = counts.numel() // num_expert
-    return torch.argsort((block % num_expert) * world + torch.div(block, num_expert, rounding_mode="floor"),
-                         stable=True)
-
-
-def _rows_per_rank(counts: torch.Tensor, world_size: int) -> list:
-    return counts.long().cpu().view(world_size, -1).sum(1).tolist()
-
-
-def _global_scatter(buf: torch.Tensor, lec, gec, world_size: int) -> torch.Tensor:
-    """Rows sorted by global expert -> rows this rank's experts run, ordered (local expert, source rank)."""
-    send, recv = _rows_per_rank(lec, world_size), _rows_per_rank(gec, world_size)
-    out = buf.new_empty((sum(recv),) + tuple(buf.shape[1:]))
-    dist.all_to_all_single(out, buf.contiguous(), recv, send, group=get_moe_group())
-    perm = _local_order(gec, lec.numel() // world_size).to(out.device)
-    return out.index_select(0, perm)
-
-
-def _global_gather(buf: torch.Tensor, lec, gec, world_size: int) -> torch.Tensor:
-    """Inverse of :func:`_global_scatter`: expert outputs back to the ranks (and order) they came from."""
-    send, recv = _rows_per_rank(lec, world_size), _rows_per_rank(gec, world_size)
-    perm = _local_order(gec, lec.numel() // world_size).to(buf.device)
-    by_source = buf.index_select(0, torch.argsort(perm))                         # (source rank, expert)
-    out = buf.new_empty((sum(send),) + tuple(buf.shape[1:]))
-    dist.all_to_all_single(out, by_source.contiguous(), send, recv, group=get_moe_group())
-    return out
-
-
-class MOEScatter(torch.autograd.Function):
-    """``inp`` rows ``pos`` (token ids, i.e. flattened choice // top_k) -> the buffer this rank's experts run.
-
-    ``forward(inp, pos, local_expert_count, global_expert_count, fwd_batch_size, world_size)``; backward sums
-    the gradient of every copy of a row (``index_add``), after the reverse exchange when ``world_size > 1``.
-    """
+class MOEScatter:
+    """fastmoe's ``MOEScatter.apply(inp, pos, local_expert_count, global_expert_count, fwd_batch_size,
+    world_size)``: ``inp`` rows ``pos`` (token ids, i.e. flattened choice // top_k) -> the buffer this rank's
+    experts run. The core's scatter (``functions.MOEScatter``: backward sums the gradient of every copy of a row),
+    then ``expert_parallel.to_experts`` when ``world_size > 1``."""
 
     @staticmethod
-    def forward(ctx, inp, pos, local_expert_count, global_expert_count, fwd_batch_size, world_size):
-        buf = inp.index_select(0, pos)                                            # (N_local, ...)
+    def apply(inp, pos, local_expert_count, global_expert_count, fwd_batch_size, world_size):
+        buf = core.MOEScatter.apply(inp, pos)                                     # (N_local, ...)
         if world_size > 1:
-            buf = _global_scatter(buf, local_expert_count, global_expert_count, world_size)
+            buf = to_experts(buf, local_expert_count, global_expert_count, get_moe_group())[0]
         if buf.shape[0] != fwd_batch_size:
             raise ValueError(f"MOEScatter: fwd_batch_size={fwd_batch_size} but the counts give {buf.shape[0]} rows")
-        ctx.save_for_backward(pos, local_expert_count, global_expert_count)
-        ctx.moe_args = inp.shape[0], world_size
         return buf
 
-    @staticmethod
-    def backward(ctx, grad):
-        pos, lec, gec = ctx.saved_tensors
-        num_rows, world_size = ctx.moe_args
-        if world_size > 1:
-            grad = _global_gather(grad.contiguous(), lec, gec, world_size)
-        grad_in = grad.new_zeros((num_rows,) + tuple(grad.shape[1:]))
-        return grad_in.index_add_(0, pos, grad), None, None, None, None, None
 
-
-class MOEGather(torch.autograd.Function):
-    """Expert outputs -> ``(local_batch_size, ...)`` with row ``pos[i]`` = output ``i``; zeros elsewhere.
-
-    ``forward(global_output_buf, pos, local_expert_count, global_expert_count, local_batch_size, world_size)``.
-    """
+class MOEGather:
+    """fastmoe's ``MOEGather.apply(global_output_buf, pos, local_expert_count, global_expert_count,
+    local_batch_size, world_size)``: expert outputs -> ``(local_batch_size, ...)`` with row ``pos[i]`` = output
+    ``i``, zeros elsewhere. ``expert_parallel.from_experts`` when ``world_size > 1``, then the core's gather."""
 
     @staticmethod
-    def forward(ctx, global_output_buf, pos, local_expert_count, global_expert_count, local_batch_size,
-                world_size):
+    def apply(global_output_buf, pos, local_expert_count, global_expert_count, local_batch_size, world_size):
         buf = global_output_buf
         if world_size > 1:
-            buf = _global_gather(buf, local_expert_count, global_expert_count, world_size)
-        out = buf.new_zeros((local_batch_size,) + tuple(buf.shape[1:]))
-        out.index_copy_(0, pos, buf)
-        ctx.save_for_backward(pos, local_expert_count, global_expert_count)
-        ctx.moe_args = world_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        pos, lec, gec = ctx.saved_tensors
-        grad_buf = grad.contiguous().index_select(0, pos)
-        if ctx.moe_args > 1:
-            grad_buf = _global_scatter(grad_buf, lec, gec, ctx.moe_args)
-        return grad_buf, None, None, None, None, None
+            buf = from_experts(buf, local_expert_count, global_expert_count, get_moe_group())
+        return core.gather(buf, pos, local_batch_size)
 
 
 def _fmoe_general_global_forward(inp, gate, expert_fn: Callable, num_expert: int, world_size: int, **kwargs):
@@ -208,45 +132,20 @@ def _fmoe_general_global_forward(inp, gate, expert_fn: Callable, num_expert: int
     return tree_map(lambda t: MOEGather.apply(t, pos, lec, gec, out_batch_size, world_size), x)
 
 
-# ---- slice_group (fastmoe's Slice and AllGather) --------------------------------------------------
-def slice_sizes(num_rows: int, slice_size: int) -> list:
-    """Rows each slice rank takes: ``torch.tensor_split``'s sizes (the first ``num_rows % n`` get one more)."""
-    return [len(r) for r in torch.arange(num_rows).tensor_split(slice_size)]
+def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, world_size: int, capacity, group=None):
+    """fastmoe's ``limit_by_capacity(topk_idx, num_expert, world_size, capacity)`` (``fmoe/gates/utils.py``):
+    ``(new_lec, new_gec, topk_idx)``, the core's ``capacity.limit_by_capacity`` called with its keywords."""
+    return _limit_by_capacity(topk_idx, num_expert, world_size=world_size, capacity=capacity, group=group)
 
 
-class Slice(torch.autograd.Function):
-    """``forward(inp, rank, world_size, group)``: this rank's slice of a batch every rank of ``group`` holds.
-
-    Backward all-gathers the slices' gradients, so each rank gets the gradient of the whole (replicated)
-    input. Unlike fastmoe (``B // world_size`` rows each, the remainder dropped) an uneven batch is split as
-    ``torch.tensor_split`` does, so no row is lost.
-    """
+class AllGather:
+    """fastmoe's ``AllGather.apply(inp, rank, world_size, group)``: every rank's rows, in rank order; the gradient
+    keeps this rank's own slice. ``labutils.collectives.all_gather(grad="slice")``."""
 
     @staticmethod
-    def forward(ctx, inp, rank, world_size, group):
-        sizes = slice_sizes(inp.shape[0], world_size)
-        ctx.sizes, ctx.group = sizes, group
-        start = sum(sizes[:rank])
-        return inp[start:start + sizes[rank]]
-
-    @staticmethod
-    def backward(ctx, grad):
-        full, _ = all_gather_variable_dim(grad.contiguous(), 0, sizes=torch.tensor(ctx.sizes), group=ctx.group)
-        return full, None, None, None
-
-
-class AllGather(torch.autograd.Function):
-    """``forward(inp, rank, world_size, group)``: every rank's rows, rank order; backward keeps own slice."""
-
-    @staticmethod
-    def forward(ctx, inp, rank, world_size, group):
-        out, sizes = all_gather_variable_dim(inp.contiguous(), 0, group=group)
-        sizes = [int(s) for s in sizes.tolist()]
-        if len(sizes) != world_size:
-            raise ValueError(f"AllGather: world_size={world_size} but the group has {len(sizes)} ranks")
-        ctx.start, ctx.rows = sum(sizes[:rank]), sizes[rank]
+    def apply(inp, rank, world_size, group):
+        out, sizes = all_gather(inp, 0, None, "slice", group)
+        if len(sizes) != world_size or rank != dist.get_rank(group):
+            raise ValueError(f"AllGather: rank={rank}, world_size={world_size}, but this is rank "
+                             f"{dist.get_rank(group)} of a group of {len(sizes)}")
         return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.start:ctx.start + ctx.rows], None, None, None
