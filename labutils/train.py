@@ -5,11 +5,8 @@ Each step: ``out = model(x)``; ``loss = loss_fn(out, y) + aux_coef * collect_aux
 backward; step.
 The history keeps the task loss (without the aux term) so dense and MoE runs compare on the same quantity.
 
-Checkpoints hold only tensors, numbers, strings, lists and dicts, so they load with
-``torch.load(path, weights_only=True)``. They are written to ``path + ".tmp"`` and moved into place with
-``os.replace`` (atomic on one file system): a crash mid-write never leaves a torn checkpoint. Resuming
-restores model, optimizer, step, the global RNG states and the data stream's position, so a run stopped at
-step k and resumed produces the same losses, bit for bit, as one that never stopped.
+Checkpoints (``checkpoint=``, ``save_every=``, ``resume=``) are atomic and weights-only, and resume bit for bit:
+a run stopped at step k and resumed produces the same losses as one that never stopped (``labutils.checkpoint``).
 
 Nothing is lost to a bad input:
 
@@ -18,23 +15,16 @@ Nothing is lost to a bad input:
   (``allow_nonfinite=True`` records the value and carries on);
 - the checkpoint's directory is checked before the first step; a save that still fails mid-run raises a
   :class:`CheckpointSaveError` whose ``err.result`` holds the history, and the previous checkpoint stays intact;
-- a file that is not a readable checkpoint (empty, truncated, another format) raises a :class:`CheckpointError`
-  naming the path and the cause; a checkpoint of another configuration is compared with the model, the
-  optimizer (its class is stored next to its state, under ``"class"``) and the data stream *before anything is
-  loaded*, and the error lists every mismatch.
+- a file that is not a readable checkpoint, or one of another configuration, raises a :class:`CheckpointError`
+  naming the path and every mismatch, before anything is loaded.
 """
 from __future__ import annotations
 
-import errno
 import math
 import numbers
 import os
-import pickle
-import random
-import re
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,11 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import CheckpointError, CheckpointSaveError, check_writable, load_checkpoint, restore, save_checkpoint  # noqa: F401
+from .checkpoint import save_or_raise as _save
 from .models import AUX_COEF, ExpertLoadRecorder
 from .moe.gates import collect_aux_loss
-
-CHECKPOINT_VERSION = 1
-CHECKPOINT_KEYS = ("version", "step", "model", "optimizer", "rng", "data", "history")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -56,19 +45,6 @@ class NonFiniteLossError(FloatingPointError):
     def __init__(self, message: str, *, step: int, loss: float, aux: float, result: "TrainResult"):
         super().__init__(message)
         self.step, self.loss, self.aux, self.result = step, loss, aux, result
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, does not fit this run, or cannot be written where asked."""
-
-
-class CheckpointSaveError(OSError):
-    """Writing the checkpoint failed mid-run; ``result`` holds the history up to ``step`` (nothing is lost)."""
-
-    def __init__(self, message: str, *, path: str, step: int, result: "TrainResult"):
-        super().__init__(message)
-        self.path, self.step, self.result = path, step, result
-
 
 def mse(out, target):
     """Mean squared error: the book's regression loss."""
@@ -130,99 +106,6 @@ class Progress:
         print(f"{self.label} {step:>{len(str(self.total))}}/{self.total} [{bar}] {shown} "
               f"({time.perf_counter() - self.t0:.1f} s)", file=self.stream, flush=True)
 
-
-def _rng_state() -> dict:
-    version, internal, gauss_next = random.getstate()
-    state = {"torch": torch.get_rng_state(), "python": list(internal), "python_version": version,
-             "python_gauss": gauss_next}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(path, *, model, optimizer, step: int, data, history: TrainResult) -> None:
-    """Write everything needed to resume to ``path`` atomically (tmp file + ``os.replace``)."""
-    optimizer_state = {**optimizer.state_dict(), "class": _class_name(optimizer)}
-    state = {"version": CHECKPOINT_VERSION, "step": step, "model": model.state_dict(),
-             "optimizer": optimizer_state, "rng": _rng_state(), "data": data.state_dict(),
-             "history": history.state()}
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # never leave half a file behind
-            os.remove(tmp)
-        raise
-
-
-def load_checkpoint(path) -> dict:
-    """Read a checkpoint with ``weights_only=True`` (no arbitrary code runs) and check its version and keys.
-
-    A file that is empty, truncated or not a labutils checkpoint raises :class:`CheckpointError` naming ``path``
-    and the cause (a missing one: ``FileNotFoundError``).
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise CheckpointError(f"{path}: a directory, not a checkpoint file")
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "no such checkpoint file", path)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            state = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - every reader failure becomes one clear error
-        raise CheckpointError(f"{path}: not a readable checkpoint: {_load_failure(path, exc)}") from (
-            None if isinstance(exc, pickle.UnpicklingError) else exc)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: not a labutils checkpoint (it holds a {type(state).__name__}, "
-                              "not a dict of model, optimizer, ...)")
-    if state.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint version {state.get('version')} is not {CHECKPOINT_VERSION}")
-    missing = [k for k in CHECKPOINT_KEYS if k not in state]
-    if missing:
-        raise CheckpointError(f"{path}: not a complete labutils checkpoint, missing {missing}")
-    return state
-
-
-def _load_failure(path: str, exc: Exception) -> str:
-    """What went wrong reading ``path``, in words (never the advice to disable ``weights_only``)."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return "the file is empty (0 bytes): a save or a copy that was interrupted"
-    if isinstance(exc, pickle.UnpicklingError):
-        return (f"{size} bytes that are not tensors and plain containers ({_refused(str(exc))}); labutils "
-                "only loads checkpoints that cannot run code, so this file was not written by labutils.train")
-    if isinstance(exc, RuntimeError) and "zip archive" in str(exc):
-        return f"{size} bytes that are not a complete torch.save archive: the file is truncated or corrupted"
-    return f"{size} bytes that torch.load cannot read ({type(exc).__name__}: {exc}): not a torch.save file"
-
-
-def _refused(message: str) -> str:
-    """What torch's weights-only unpickler refused, from its message: the global (a function or class the file
-    would call or build, e.g. ``posix.system``) when it names one, else its own first line, without torch's advice
-    to lift the restriction."""
-    name = re.search(r"GLOBAL ([\w.]+)", message)
-    if name:
-        return f"it refers to the global {name.group(1)}, which loading would import and call"
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    reason = next((ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))
-                   and "weights_only" not in ln), None)
-    return reason.split(". Please use")[0] if reason else "a pickle the weights-only loader refuses"
-
-
-def _class_name(obj) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
 def _is_engine(model) -> bool:
     """A DeepSpeed engine: it owns backward() and step() and wraps the real model in .module."""
     return all(hasattr(model, a) for a in ("backward", "step", "module"))
@@ -260,30 +143,8 @@ def _check_arguments(model, data, steps, save_every, eval_every, lr, clip, check
         if value is not None and not _positive(value):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     if checkpoint is not None:
-        _check_writable(os.fspath(checkpoint))
+        check_writable(os.fspath(checkpoint))
     return steps
-
-
-def _check_writable(path: str) -> None:
-    """Fail before training, not after it, when ``path`` cannot be written (probe: ``path.tmp``, removed)."""
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint={path!r} is a directory: give a file in it, "
-                              f"e.g. {os.path.join(path, 'run.pt')!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint={path!r}: {folder!r} is a file, not a directory")
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint={path!r}: the directory {folder!r} does not exist; create it first "
-                              f"(os.makedirs({folder!r}, exist_ok=True))")
-    probe = path + ".tmp"
-    try:
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint={path!r} cannot be written in {folder!r} ({exc.strerror or exc}); "
-                              "pick a writable directory (checked before the first step)") from exc
-
 
 def train(model, data, *, steps: int, loss_fn: Callable = mse, optimizer: torch.optim.Optimizer | None = None,
           lr: float = 1e-3, aux_coef: float = AUX_COEF, clip: float | None = None, checkpoint=None,
@@ -338,20 +199,15 @@ def train(model, data, *, steps: int, loss_fn: Callable = mse, optimizer: torch.
     return _finish(history, t0, max(0, steps - start))
 
 
+def _restore(path, net, optimizer, data, steps) -> tuple[int, TrainResult]:
+    """``labutils.checkpoint.restore``, with the history as a :class:`TrainResult`."""
+    step, saved = restore(path, net, optimizer, data, steps)
+    return step, TrainResult.from_state(saved)
+
+
 def _finish(history: TrainResult, t0: float, ran: int) -> TrainResult:
     history.seconds, history.steps_run = time.perf_counter() - t0, ran
     return history
-
-
-def _save(path, net, optimizer, step, data, history) -> None:
-    try:
-        save_checkpoint(path, model=net, optimizer=optimizer, step=step, data=data, history=history)
-    except (OSError, RuntimeError) as exc:
-        raise CheckpointSaveError(f"step {step}: writing checkpoint {os.fspath(path)!r} failed "
-                                  f"({type(exc).__name__}: {exc}); the previous checkpoint file is unchanged and "
-                                  f"err.result holds the history of all {history.steps} steps",
-                                  path=os.fspath(path), step=step, result=history) from exc
-
 
 class _NonFinite(Exception):
     def __init__(self, message: str, task: float, aux: float):
@@ -418,69 +274,6 @@ def _evaluate(net, eval_fn, recorder) -> float:
         if recorder is not None:
             recorder.enabled = True
     return value
-
-
-def _restore(path, net, optimizer, data, steps):
-    """Load ``path`` into the model, optimizer and data stream, after checking that every part of it fits."""
-    state = load_checkpoint(path)
-    step = int(state["step"])
-    if step > steps:
-        raise ValueError(f"{os.fspath(path)} is already at step {step}, past steps={steps}: ask for steps >= {step} "
-                         "to continue it, or resume=False (or another path) to start over")
-    problems = _mismatches(state, net, optimizer, data)
-    if problems:
-        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise CheckpointError(f"{os.fspath(path)} does not fit this run ({len(problems)} mismatch"
-                              f"{'es' if len(problems) > 1 else ''}; nothing was loaded, the model is untouched):"
-                              f"\n  {shown}")
-    net.load_state_dict(state["model"])
-    optimizer.load_state_dict({k: v for k, v in state["optimizer"].items() if k != "class"})
-    data.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
-    return step, TrainResult.from_state(state["history"])
-
-
-def _shape(value):
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _mismatches(state: dict, net, optimizer, data) -> list:
-    """Every way ``state`` differs from this model, optimizer and data stream (empty: it loads cleanly)."""
-    problems = []
-    problems += _dict_mismatches("model", state["model"], net.state_dict())
-    problems += _dict_mismatches("data", state["data"], data.state_dict())
-    saved = state["optimizer"]
-    if "class" in saved and saved["class"] != _class_name(optimizer):
-        return problems + [f"optimizer: the checkpoint's is {saved['class']}, this run's is {_class_name(optimizer)}"]
-    groups, saved_groups = optimizer.param_groups, saved.get("param_groups", [])
-    if len(groups) != len(saved_groups):
-        return problems + [f"optimizer: {len(saved_groups)} parameter groups in the checkpoint, {len(groups)} here"]
-    params = []
-    for i, (g, sg) in enumerate(zip(groups, saved_groups)):
-        if len(g["params"]) != len(sg["params"]):
-            problems.append(f"optimizer group {i}: {len(sg['params'])} parameters in the checkpoint, "
-                            f"{len(g['params'])} here")
-        if set(g) != set(sg):
-            problems.append(f"optimizer group {i}: settings {sorted(set(sg) ^ set(g))} are in only one of them "
-                            "(another optimizer class?)")
-        params += list(zip(sg["params"], g["params"]))
-    wrong = [f"{key} of parameter {saved_id} is {_shape(value)}, the parameter here {tuple(param.shape)}"
-             for saved_id, param in params for key, value in saved.get("state", {}).get(saved_id, {}).items()
-             if _shape(value) not in (None, (), tuple(param.shape))]
-    if wrong:
-        problems.append(f"optimizer state: {len(wrong)} tensors do not fit their parameter (first: {wrong[0]})")
-    return problems
-
-
-def _dict_mismatches(what: str, saved, own: dict) -> list:
-    if not isinstance(saved, dict):
-        return [f"{what}: the checkpoint holds a {type(saved).__name__}, not a state dict"]
-    problems = [f"{what} {k}: missing from the checkpoint" for k in own if k not in saved]
-    problems += [f"{what} {k}: in the checkpoint, not in this run" for k in saved if k not in own]
-    problems += [f"{what} {k}: {_shape(saved[k])} in the checkpoint, {_shape(own[k])} here"
-                 for k in own if k in saved and _shape(own[k]) is not None and _shape(saved[k]) != _shape(own[k])]
-    return problems
-
 
 def evaluate_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable = mse,
                   batch_size: int = 64) -> float:

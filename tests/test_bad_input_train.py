@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+import labutils.checkpoint as checkpoint_mod
 import labutils.train as train_mod
 from labutils import plot_expert_load, plot_losses, plot_param_counts
 from labutils.data import CharBatches, EpochBatches, RandomPairs, char_corpus, fixed_windows
@@ -246,7 +247,7 @@ def test_a_read_only_directory_fails_before_the_first_step(tmp_path, monkeypatch
                 if str(file).startswith(str(folder)) and "w" in mode:
                     raise PermissionError(13, "Permission denied", str(file))
                 return open(file, mode, *args, **kwargs)
-            monkeypatch.setattr(train_mod, "open", read_only, raising=False)
+            monkeypatch.setattr(checkpoint_mod, "open", read_only, raising=False)  # its probe file
         except PermissionError:
             pass
         data = RandomPairs(2, 4, D)
