@@ -68,12 +68,12 @@ def test_limit_by_capacity_rejects_bad_counts(capacity):
     with pytest.raises(ValueError, match="whole numbers of tokens >= 0"):
         drop_over_capacity(idx, E, capacity)
     with pytest.raises(ValueError, match="whole numbers of tokens >= 0"):
-        limit_by_capacity(idx, E, 1, capacity)
+        limit_by_capacity(idx, E, world_size=1, capacity=capacity)
 
 
 def test_limit_by_capacity_rejects_a_wrong_number_of_capacities():
     with pytest.raises(ValueError, match="scalar or have 4 entries"):
-        limit_by_capacity(torch.zeros(3, 2, dtype=torch.long), E, 1, torch.tensor([1, 2]))
+        limit_by_capacity(torch.zeros(3, 2, dtype=torch.long), E, world_size=1, capacity=torch.tensor([1, 2]))
 
 
 @pytest.mark.parametrize("gate,k", [(NoisyGate, 2)] + CAPACITY_GATES, ids=ids)

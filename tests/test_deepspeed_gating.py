@@ -117,8 +117,9 @@ def test_capacity_float32_quirk(sm):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_one_capacity_formula_matches_a_real_topkgate(sm, k):
-    """THE capacity formula (labutils.ds.gating.ds_capacity) and every helper that calls it, against the capacity a
-    real TopKGate reports, at the factors where float32 rounding matters and odd token counts."""
+    """THE capacity formula (labutils.moe.capacity.deepspeed_capacity, ds.gating's ds_capacity) and every helper
+    that calls it, against the capacity a real TopKGate reports, at the factors where float32 rounding matters
+    and odd token counts."""
     from labutils.moe.traffic import deepspeed_bytes, deepspeed_capacity
 
     torch.manual_seed(0)
@@ -129,18 +130,24 @@ def test_one_capacity_formula_matches_a_real_topkgate(sm, k):
                                use_rts=False, top2_2nd_expert_sampling=False)
             theirs = routing_from_deepspeed(gate(torch.randn(tokens, 8), None, True)).capacity
             assert ds_capacity(tokens, 4, cf, k) == theirs, (cf, tokens, k)
-            assert deepspeed_capacity(tokens, 4, cf, top_k=k, min_capacity=0) == theirs, (cf, tokens, k)
+            assert deepspeed_capacity(tokens, 4, cf, k=k, min_capacity=0) == theirs, (cf, tokens, k)
             assert deepspeed_bytes(tokens, 4, 2, 8, 4, cf, top_k=k, min_capacity=0) == 4 * theirs * 8 * 4 // 2
             checked += 1
     assert checked == 16
 
 
 def test_capacity_helpers_have_one_source():
-    """The negative control of the test above: the old traffic helper used exact arithmetic and gave 30 here."""
-    from labutils.moe.traffic import deepspeed_capacity
+    """The negative control of the test above: the old traffic helper used exact arithmetic and gave 30 here.
+    There is one function: the DeepSpeed wing and the traffic helpers import the core's."""
+    from labutils.moe import capacity, traffic
 
+    assert traffic.deepspeed_capacity is capacity.deepspeed_capacity is ds_capacity
+    assert traffic.deepspeed_dropless_capacity is capacity.deepspeed_dropless_capacity
+    assert capacity.exact_capacity is exact_capacity
     assert exact_capacity(100, 4, 1.2, 1) == 30
-    assert deepspeed_capacity(100, 4, 1.2, min_capacity=0) == ds_capacity(100, 4, 1.2, 1) == 31
+    assert traffic.deepspeed_capacity(100, 4, 1.2, min_capacity=0) == ds_capacity(100, 4, 1.2, 1) == 31
+    # one default: no floor (the bare _capacity formula); the MoE layer's floor of 4 is passed explicitly
+    assert ds_capacity(2, 4, 1.0) == 1 and ds_capacity(2, 4, 1.0, min_capacity=4) == 4
 
 
 def test_top1_batch_smaller_than_min_capacity(sm):

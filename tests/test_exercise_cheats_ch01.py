@@ -258,7 +258,7 @@ def test_drop_over_capacity_honest_passes():
 
 @pytest.mark.parametrize("cheat", [
     lambda g, e, c: drop_over_capacity(g, e, c),
-    lambda g, e, c: limit_by_capacity(g, e, 1, c)[2],
+    lambda g, e, c: limit_by_capacity(g, e, world_size=1, capacity=c)[2],
     via_position_in_expert,
     lambda g, e, c: DROP_TABLE[_key(g) + (c,)],
     token_major,

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from labutils._deprecate import LabDeprecationWarning
 from labutils.launcher import launch
 from labutils.moe import (
     DCGate,
@@ -179,12 +180,19 @@ def test_drop_over_capacity_token_order(capacity):
 def test_limit_by_capacity_one_worker_returns_counts_and_ids():
     torch.manual_seed(0)
     idx = torch.randint(-1, 4, (20, 2))
-    lec, gec, new = limit_by_capacity(idx, 4, 1, 3)
+    lec, gec, new = limit_by_capacity(idx, 4, world_size=1, capacity=3)
     assert torch.equal(new, drop_over_capacity(idx, 4, 3))
     assert torch.equal(lec, torch.bincount(new[new >= 0], minlength=4)) and torch.equal(lec, gec)
-    with pytest.warns(DeprecationWarning, match="drop_over_capacity"):
+    with pytest.warns(LabDeprecationWarning, match=r"limit_by_capacity is deprecated since labutils 0\.3\.0 .*"
+                                                    r"drop_over_capacity") as seen:
         old = limit_by_capacity(idx, 4, 3)                    # the 0.2.0 call (gate_idx, tot_expert, capacity)
-    assert torch.equal(old, new)
+    assert torch.equal(old, new) and len(seen) == 1
+    with pytest.raises(TypeError, match="keywords only"):      # no positional overload: the two forms never mix
+        limit_by_capacity(idx, 4, 1, capacity=3)
+    with pytest.raises(TypeError, match="positional"):          # fastmoe's positional form is the face's
+        limit_by_capacity(idx, 4, 1, 3)
+    with pytest.raises(TypeError, match="needs world_size= and capacity="):
+        limit_by_capacity(idx, 4, world_size=1)
 
 
 # ---- SwitchGate ----------------------------------------------------------------------------------------

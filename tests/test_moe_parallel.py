@@ -362,7 +362,8 @@ def test_comm_accounting():
     m = comm.token_matrix(counts, num_expert=2)
     assert m.tolist() == [[4, 2], [0, 6]]
     assert comm.minimum_bytes(m, d_model=8, element_size=4).tolist() == [2 * 32, 0]
-    assert comm.deepspeed_capacity(10, 4, 1.0) == 4 and comm.deepspeed_capacity(100, 4, 2.0, top_k=2) == 100
+    assert comm.deepspeed_capacity(10, 4, 1.0, min_capacity=4) == 4 and comm.deepspeed_capacity(10, 4, 1.0) == 3
+    assert comm.deepspeed_capacity(100, 4, 2.0, k=2, min_capacity=4) == 100
     # E*C*d*size*(W-1)/W, whatever the routing
     assert comm.deepspeed_bytes(100, 4, 2, 8, 4, 1.0) == 4 * 25 * 8 * 4 // 2
     assert comm.deepspeed_dropped(torch.tensor([[6, 0], [4, 4]]), tokens=8, capacity_factor=1.0) == 2
@@ -375,7 +376,7 @@ def test_deepspeed_capacity_matches_deepspeed():
     for tokens, experts, cf, k in [(64, 8, 1.0, 1), (64, 8, 2.0, 1), (10, 4, 1.25, 2), (3, 8, 1.0, 1)]:
         gates = torch.zeros(tokens, experts)
         want = int(sharded_moe._capacity(gates, torch.tensor(cf * k), torch.tensor(4)))
-        assert deepspeed_capacity(tokens, experts, cf, top_k=k) == want
+        assert deepspeed_capacity(tokens, experts, cf, k=k, min_capacity=4) == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

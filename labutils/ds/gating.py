@@ -8,15 +8,19 @@ Written from the algorithm, not copied; where DeepSpeed's arithmetic has a quirk
 
 Everything returns a :class:`Routing` with per-route tensors of shape ``(k, S)``: route ``j`` of token ``s``
 goes to expert ``indices[j, s]`` (``-1``: dropped) at slot ``locations[j, s]`` with weight ``weights[j, s]``.
+The capacity ``C`` is :func:`labutils.moe.capacity.deepspeed_capacity` (``ds_capacity`` here, chapter 02's name)
+or, without drops, :func:`labutils.moe.capacity.deepspeed_dropless_capacity`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
+
+# the capacity formulas live in the MoE core (labutils.moe.capacity); ds_capacity is chapters 02 and 04's name
+from ..moe.capacity import deepspeed_capacity as ds_capacity
+from ..moe.capacity import deepspeed_dropless_capacity, exact_capacity
 
 __all__ = ["Routing", "ds_capacity", "exact_capacity", "top1_routing", "top2_routing", "topk_routing",
            "routing_from_deepspeed", "moe_output"]
@@ -58,27 +62,6 @@ class Routing:
     def dispatch_mask(self) -> torch.Tensor:
         """Dense ``(S, E, C)`` bool: which slot each kept route occupies."""
         return self.combine_weights().bool()
-
-
-# -- capacity --------------------------------------------------------------------------------------
-
-def ds_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
-                min_capacity: int = 0) -> int:
-    """``max(ceil(cf * k * S / E), min_capacity)`` computed as DeepSpeed does: ``(S / E) * float32(cf * k)``.
-
-    The float32 product can land just above an integer, so ``C`` is one more than the exact value
-    (e.g. S=100, E=4, cf=1.2: exact 30, DeepSpeed 31); see :func:`exact_capacity`.
-    """
-    factor = torch.tensor(capacity_factor * k)                                # float32, as in DeepSpeed
-    capacity = torch.ceil((num_tokens / num_experts) * factor).to(torch.int64)
-    return max(int(capacity), int(min_capacity))
-
-
-def exact_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
-                   min_capacity: int = 0) -> int:
-    """The same formula in exact rational arithmetic (``capacity_factor`` read as its decimal string)."""
-    exact = Fraction(str(capacity_factor)) * k * num_tokens / num_experts
-    return max(math.ceil(exact), int(min_capacity))
 
 
 # -- shared steps ----------------------------------------------------------------------------------
@@ -126,7 +109,7 @@ def top1_routing(logits: torch.Tensor, capacity_factor: float = 1.0, min_capacit
     if drop_tokens:
         capacity = ds_capacity(S, E, capacity_factor, 1, min_capacity)
     else:
-        capacity = min(int(exp_counts.max()), S)
+        capacity = min(deepspeed_dropless_capacity(exp_counts), S)
     ranked = chosen if priority is None else chosen * priority                # ties at 1 without RTS
     kept = chosen * _keep_top(ranked, capacity)                               # (S, E)
     kept_s = kept.sum(1).bool()                                               # (S,)
@@ -164,7 +147,7 @@ def top2_routing(logits: torch.Tensor, capacity_factor: float = 1.0, min_capacit
     if drop_tokens:
         capacity = ds_capacity(S, E, capacity_factor, 2, min_capacity)
     else:
-        capacity = int(exp_counts.max())
+        capacity = deepspeed_dropless_capacity(exp_counts)
     kept1 = _per_route(first, slot1, torch.ones(S, dtype=torch.bool)) < capacity   # (S,)
     kept2 = _per_route(second, slot2, torch.ones(S, dtype=torch.bool)) < capacity
     p1 = _per_route(first, probs, kept1, 0.0)
@@ -198,7 +181,7 @@ def topk_routing(logits: torch.Tensor, k: int, capacity_factor: float = 1.0, min
         chosen_p = torch.zeros_like(probs).scatter(1, top_e, top_p)           # (S, E)
         kept = chosen & _keep_top(chosen_p, capacity).bool()
     else:
-        capacity, kept = int(exp_counts.max()), chosen
+        capacity, kept = deepspeed_dropless_capacity(exp_counts), chosen
     weights = probs * kept
     weights = weights / torch.clamp(weights.sum(-1, keepdim=True), min=torch.finfo(weights.dtype).eps)
     route_kept = kept.gather(1, top_e)                                        # (S, k)

@@ -11,14 +11,12 @@
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..collectives import require_process_group
-from .capacity import exchange_counts, limit_by_capacity, position_in_expert, warn_small_capacity
+from .capacity import exchange_counts, fastmoe_dc_capacity, limit_by_capacity, position_in_expert
 from .capacity_gates import GShardGate
 from .functions import check_top_k
 from .gates import BaseGate, NaiveGate, check_gate_input
@@ -54,15 +52,12 @@ class DCGate(GShardGate):
         super().__init__(d_model, num_expert, world_size, top_k, capacity, random_routing, gate_bias, topk)
         self.group = group
 
-    def capacity_per_expert(self, num_tokens: int) -> int:
-        factor = self.capacity[0 if self.training else 1]
-        cap = math.ceil(factor * num_tokens)
-        warn_small_capacity("DCGate", cap, factor, num_tokens)
-        return cap
+    def capacity_formula(self, num_tokens: int, factor: float) -> int:
+        return fastmoe_dc_capacity(num_tokens, factor)
 
     def apply_capacity(self, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
         cap = self.capacity_per_expert(num_tokens)
-        return limit_by_capacity(idx, self.num_expert, self.world_size, cap, group=self.group)[2]
+        return limit_by_capacity(idx, self.num_expert, world_size=self.world_size, capacity=cap, group=self.group)[2]
 
 
 class SwipeGate(NaiveGate):

@@ -1,4 +1,16 @@
-"""Expert capacity: how many choices an expert accepts, and which are dropped. (Taught in chapter 01.)
+"""Expert capacity: every formula for how many choices an expert accepts, and which are dropped. (Taught in
+chapter 01; the DeepSpeed formulas in chapter 02, expert choice and GShard's token choice in chapter 09.)
+
+Every capacity formula of the lab is here, each once (slots per expert, from the number of tokens ``T``, the
+number of experts ``E``, the capacity factor ``cf`` and the choices per token ``k``):
+
+* :func:`deepspeed_capacity` ``max(ceil(T / E * float32(cf * k)), min_capacity)``: DeepSpeed's ``_capacity``
+  (``deepspeed/moe/sharded_moe.py``), float32 product included; :func:`exact_capacity` the same in exact
+  arithmetic; :func:`deepspeed_dropless_capacity` the largest per-expert count (``drop_tokens=False``);
+* :func:`token_choice_capacity` ``ceil(cf * T * k / E)`` (GShard's token choice; ``ModernMoE``) and
+  :func:`expert_capacity` ``ceil(T * cf / E)`` (expert choice: each expert takes exactly that many tokens);
+* fastmoe's gates: :func:`fastmoe_gshard_capacity` ``floor(ceil(cf * T) * k / E)``,
+  :func:`fastmoe_switch_capacity` ``ceil(cf * T / num_expert)``, :func:`fastmoe_dc_capacity` ``ceil(cf * T)``.
 
 Over-capacity choices become ``-1`` (dropped: the token gets nothing from that expert; in a transformer the
 residual connection carries it). fastmoe drops in the order its CUDA atomics happen to run; here the drops are
@@ -7,22 +19,89 @@ workers rank 0's tokens first, so a result is reproducible.
 
 * :func:`limit_by_capacity` is fastmoe's (``fmoe/gates/utils.py``): each LOCAL expert takes at most
   ``capacity`` tokens from ALL workers together; returns ``(new_lec, new_gec, topk_idx)``.
-* :func:`drop_over_capacity` is the lab's one-worker form: ``gate_idx`` with over-capacity choices set to -1.
+* :func:`drop_over_capacity` is the lab's one-worker form: ``gate_idx`` with over-capacity choices set to -1;
+  :func:`position_in_expert` each choice's slot at its expert, the one drop order.
 * :func:`capacity_factors` / :func:`warn_small_capacity`: the gates' checks of their capacity factors;
   :class:`CapacityFactors` applies the first to every assignment of a gate's ``capacity``.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
+from fractions import Fraction
 from typing import overload
 
 import torch
 import torch.distributed as dist
 
+from .._deprecate import deprecated
 from ..collectives import require_process_group
 
 
+# ---- the formulas -------------------------------------------------------------------------------------
+def deepspeed_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
+                       min_capacity: int = 0) -> int:
+    """DeepSpeed's expert capacity ``max(ceil(cf * k * S / E), min_capacity)`` for a rank's LOCAL ``num_tokens``
+    ``S``, computed as its ``_capacity`` does: ``(S / E) * float32(cf * k)``. (Taught in chapter 02.)
+
+    The float32 product can land just above an integer, so ``C`` is one more than the exact value
+    (e.g. S=100, E=4, cf=1.2: exact 30, DeepSpeed 31); see :func:`exact_capacity`. ``min_capacity`` defaults to
+    0 (no floor: the bare formula, as ``_capacity``, which has no default, is called with its own); DeepSpeed's
+    ``MoE`` layer passes its default 4, so pass ``min_capacity=4`` to model a layer built with defaults.
+    """
+    factor = torch.tensor(capacity_factor * k)                                # float32, as in DeepSpeed
+    capacity = torch.ceil((num_tokens / num_experts) * factor).to(torch.int64)
+    return max(int(capacity), int(min_capacity))
+
+
+def exact_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
+                   min_capacity: int = 0) -> int:
+    """:func:`deepspeed_capacity` in exact rational arithmetic (``capacity_factor`` read as its decimal string)."""
+    exact = Fraction(str(capacity_factor)) * k * num_tokens / num_experts
+    return max(math.ceil(exact), int(min_capacity))
+
+
+def deepspeed_dropless_capacity(local_expert_counts) -> int:
+    """DeepSpeed's ``C`` with ``drop_tokens=False`` (``top2gating``/``topkgating``, 0.19.8): the largest
+    per-expert count on any rank (``torch.max(exp_counts)``, all-reduced with ``ReduceOp.MAX`` over the
+    expert-parallel group); no minimum capacity (``top1gating`` also caps it at the number of tokens).
+    ``local_expert_counts``: ``(W, E)`` (or one rank's ``(E,)``)."""
+    return int(torch.as_tensor(local_expert_counts).max())
+
+
+def token_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int) -> int:
+    """GShard's token-choice capacity ``ceil(cf * T * k / E)``: slots per expert for ``T`` tokens choosing ``k``
+    of ``E`` experts each. (``ModernMoE``, chapter 09.)"""
+    return math.ceil(capacity_factor * num_tokens * k / num_experts)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """Expert choice's ``C = ceil(T * capacity_factor / E)``, at least 1 and at most ``T``: every expert takes
+    exactly ``C`` tokens. (Chapter 09.)"""
+    if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
+    return max(1, min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts)))
+
+
+def fastmoe_gshard_capacity(num_tokens: int, factor: float, top_k: int, tot_expert: int) -> int:
+    """fastmoe's ``GShardGate``: ``floor(ceil(factor * T) * k / tot_expert)`` per global expert, for this
+    worker's ``T`` tokens (fastmoe's rounding; can be 0)."""
+    return math.ceil(factor * num_tokens) * top_k // tot_expert
+
+
+def fastmoe_switch_capacity(num_tokens: int, factor: float, num_expert: int) -> int:
+    """fastmoe's ``SwitchGate``: ``ceil(factor * T / num_expert)`` per LOCAL expert, over all workers' tokens."""
+    return math.ceil(factor * num_tokens / num_expert)
+
+
+def fastmoe_dc_capacity(num_tokens: int, factor: float) -> int:
+    """fastmoe's ``DCGate``: ``ceil(factor * T)`` per LOCAL expert, over all workers' tokens."""
+    return math.ceil(factor * num_tokens)
+
+
+# ---- the gates' capacity factors -----------------------------------------------------------------------
 def capacity_factors(capacity, name: str) -> tuple:
     """``capacity`` as a ``(train, eval)`` pair of finite factors > 0; a scalar is used for both."""
     pair = (capacity, capacity) if isinstance(capacity, (int, float)) else capacity
@@ -117,21 +196,35 @@ def exchange_counts(counts: torch.Tensor, world_size: int, group=None) -> torch.
     return out
 
 
-def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, world_size: int, capacity=None, group=None):
+# the 0.2.0 call limit_by_capacity(gate_idx, tot_expert, capacity): drop_over_capacity's result, with the warning
+# and versions of labutils._deprecate's table
+_limit_by_capacity_020 = deprecated("limit_by_capacity", drop_over_capacity)
+
+
+def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, _old_capacity=None, /, *, world_size: int | None = None,
+                      capacity=None, group=None):
     """fastmoe's ``limit_by_capacity``: each of this worker's ``num_expert`` experts accepts at most
     ``capacity`` tokens from ALL ``world_size`` workers together (earlier ranks first).
+
+        new_lec, new_gec, topk_idx = limit_by_capacity(topk_idx, num_expert, world_size=W, capacity=C)
 
     Returns ``(new_lec, new_gec, topk_idx)``: ``new_lec`` ``(world_size*num_expert,)`` how many of MY choices
     each global expert accepts, ``new_gec`` how many each worker's choices MY experts accept (block ``w`` =
     worker ``w``), and ``topk_idx`` with the refused choices set to -1. With ``world_size > 1`` every rank of
     ``group`` must call it (two small all-to-alls). (Taught in chapter 01.)
+
+    ``world_size`` and ``capacity`` are keyword-only: a third positional argument is the 0.2.0 call
+    ``limit_by_capacity(gate_idx, tot_expert, capacity)``, which returns :func:`drop_over_capacity`'s result with
+    a deprecation warning. fastmoe's positional form is ``labutils.moe.fastmoe.api.limit_by_capacity``.
     """
-    if capacity is None:  # the 0.2.0 call limit_by_capacity(gate_idx, tot_expert, capacity)
-        warnings.warn("limit_by_capacity(gate_idx, tot_expert, capacity) is deprecated since labutils 0.3.0 and "
-                      "will be removed in 1.0.0: it is now fastmoe's limit_by_capacity(topk_idx, num_expert, "
-                      "world_size, capacity); use labutils.moe.drop_over_capacity(gate_idx, tot_expert, capacity) "
-                      "for the old result", DeprecationWarning, stacklevel=2)
-        return drop_over_capacity(topk_idx, num_expert, world_size)
+    if _old_capacity is not None:
+        if (world_size, capacity, group) != (None, None, None):
+            raise TypeError("limit_by_capacity: a third positional argument is the 0.2.0 call (gate_idx, tot_expert, "
+                            "capacity); pass world_size= and capacity= as keywords only")
+        return _limit_by_capacity_020(topk_idx, num_expert, _old_capacity)
+    if world_size is None or capacity is None:
+        raise TypeError("limit_by_capacity(topk_idx, num_expert, *, world_size, capacity, group=None) needs "
+                        f"world_size= and capacity=, got world_size={world_size!r}, capacity={capacity!r}")
     cap = _token_counts(capacity, num_expert, "limit_by_capacity")     # (ne,) per local expert
     tot = num_expert * world_size
     with torch.no_grad():

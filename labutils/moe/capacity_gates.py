@@ -1,10 +1,10 @@
 """Capacity-limited gates: GShard (top-2) and Switch (top-1), as fastmoe computes them. (Taught in chapter 01.)
 
-The capacity arithmetic (fastmoe's ``limit_by_capacity``, the deterministic drop order) is in ``capacity.py``.
+The capacity arithmetic (each gate's formula, fastmoe's ``limit_by_capacity``, the deterministic drop order) is
+in ``capacity.py``; :class:`CapacityGate` is what the capacity gates share (a fixed top-k, the (train, eval)
+factors, the capacity per expert).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -12,6 +12,8 @@ from .capacity import (
     CapacityFactors,
     drop_over_capacity,
     exchange_counts,
+    fastmoe_gshard_capacity,
+    fastmoe_switch_capacity,
     limit_by_capacity,
     position_in_expert,
     warn_small_capacity,
@@ -20,11 +22,39 @@ from .functions import check_top_k
 from .gates import NaiveGate, check_finite_logits
 
 # limit_by_capacity and position_in_expert keep their 0.2.0 import path here
-__all__ = ["GShardGate", "SwitchGate", "limit_by_capacity", "drop_over_capacity", "position_in_expert",
-           "exchange_counts"]
+__all__ = ["CapacityGate", "GShardGate", "SwitchGate", "limit_by_capacity", "drop_over_capacity",
+           "position_in_expert", "exchange_counts"]
 
 
-class GShardGate(NaiveGate):
+class CapacityGate(NaiveGate):
+    """A fastmoe gate with a fixed ``top_k`` (:attr:`fixed_top_k`) and a capacity per expert from its
+    ``(train, eval)`` capacity factors: :meth:`capacity_formula` is the gate's formula (``capacity.py``)."""
+
+    capacity = CapacityFactors()  # (train, eval) factors, checked on every assignment
+    fixed_top_k = 0
+
+    def __init__(self, d_model: int, num_expert: int, world_size: int, top_k: int, capacity, gate_bias: bool,
+                 topk=None):
+        top_k = top_k if topk is None else topk  # fastmoe spells it `topk`
+        check_top_k(top_k, num_expert * world_size)
+        k = self.fixed_top_k
+        if top_k != k:
+            raise ValueError(f"{type(self).__name__} is a top-{k} gate; got top_k={top_k} (pass top_k={k} to FMoE)")
+        super().__init__(d_model, num_expert, world_size, top_k=k, gate_bias=gate_bias)
+        self.capacity = capacity
+
+    def capacity_formula(self, num_tokens: int, factor: float) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must define capacity_formula")
+
+    def capacity_per_expert(self, num_tokens: int) -> int:
+        """Slots per expert for ``num_tokens`` tokens with the factor of the current mode (warns below 1)."""
+        factor = self.capacity[0 if self.training else 1]
+        cap = self.capacity_formula(num_tokens, factor)
+        warn_small_capacity(type(self).__name__, cap, factor, num_tokens)
+        return cap
+
+
+class GShardGate(CapacityGate):
     """GShard's top-2 gate (Lepikhin et al. 2020) as fastmoe computes it (``fmoe/gates/gshard_gate.py``).
 
     * balance loss ``mean_e(c_e m_e) * num_expert**2`` (``c_e`` share of tokens whose FIRST choice is ``e``,
@@ -37,23 +67,15 @@ class GShardGate(NaiveGate):
       when ``2 * g2 < u``, ``u ~ U(0, 1)``. Pass ``random_routing=False`` for a deterministic gate.
     """
 
-    capacity = CapacityFactors()  # (train, eval) factors, checked on every assignment
+    fixed_top_k = 2
 
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 2,
                  capacity=(1.2, 2.4), random_routing: bool = True, gate_bias: bool = True, topk=None):
-        top_k = top_k if topk is None else topk  # fastmoe spells it `topk`
-        check_top_k(top_k, num_expert * world_size)
-        if top_k != 2:
-            raise ValueError(f"{type(self).__name__} is a top-2 gate; got top_k={top_k} (pass top_k=2 to FMoE)")
-        super().__init__(d_model, num_expert, world_size, top_k=2, gate_bias=gate_bias)
-        self.capacity = capacity
+        super().__init__(d_model, num_expert, world_size, top_k, capacity, gate_bias, topk)
         self.random_routing = random_routing
 
-    def capacity_per_expert(self, num_tokens: int) -> int:
-        factor = self.capacity[0 if self.training else 1]
-        cap = math.ceil(factor * num_tokens) * self.top_k // self.tot_expert
-        warn_small_capacity(type(self).__name__, cap, factor, num_tokens)
-        return cap
+    def capacity_formula(self, num_tokens: int, factor: float) -> int:
+        return fastmoe_gshard_capacity(num_tokens, factor, self.top_k, self.tot_expert)
 
     def apply_capacity(self, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """This worker's tokens only, each global expert ``capacity_per_expert`` (fastmoe: prune_gate_by_capacity)."""
@@ -76,7 +98,7 @@ class GShardGate(NaiveGate):
         return idx, score
 
 
-class SwitchGate(NaiveGate):
+class SwitchGate(CapacityGate):
     """Switch Transformer's top-1 gate (Fedus et al. 2021) as fastmoe computes it (``fmoe/gates/switch_gate.py``).
 
     * jitter (training only): ``U(1-eps, 1+eps)`` noise ADDED to the logits (the constant 1 cancels in the
@@ -90,24 +112,16 @@ class SwitchGate(NaiveGate):
     ``group``: the process group of the ``world_size`` workers (default: the default group).
     """
 
-    capacity = CapacityFactors()  # (train, eval) factors, checked on every assignment
+    fixed_top_k = 1
 
     def __init__(self, d_model: int, num_expert: int, world_size: int = 1, top_k: int = 1,
                  switch_eps: float = 0.1, capacity=(1.2, 2.4), gate_bias: bool = True, topk=None, group=None):
-        top_k = top_k if topk is None else topk
-        check_top_k(top_k, num_expert * world_size)
-        if top_k != 1:
-            raise ValueError(f"SwitchGate is a top-1 gate; got top_k={top_k} (pass top_k=1 to FMoE)")
-        super().__init__(d_model, num_expert, world_size, top_k=1, gate_bias=gate_bias)
+        super().__init__(d_model, num_expert, world_size, top_k, capacity, gate_bias, topk)
         self.switch_eps = switch_eps
-        self.capacity = capacity
         self.group = group
 
-    def capacity_per_expert(self, num_tokens: int) -> int:
-        factor = self.capacity[0 if self.training else 1]
-        cap = math.ceil(factor * num_tokens / self.num_expert)
-        warn_small_capacity("SwitchGate", cap, factor, num_tokens)
-        return cap
+    def capacity_formula(self, num_tokens: int, factor: float) -> int:
+        return fastmoe_switch_capacity(num_tokens, factor, self.num_expert)
 
     def forward(self, x):
         _, _, logits = self.top_k_logits(x)                                  # (T, E)
@@ -117,7 +131,8 @@ class SwitchGate(NaiveGate):
         probs = torch.softmax(logits.float(), dim=-1)                        # (T, E) fp32
         score, idx = probs.topk(1, dim=-1)                                   # (T, 1)
         cap = self.capacity_per_expert(x.shape[0])
-        _, _, idx = limit_by_capacity(idx, self.num_expert, self.world_size, cap, group=self.group)
+        _, _, idx = limit_by_capacity(idx, self.num_expert, world_size=self.world_size, capacity=cap,
+                                     group=self.group)
         kept = idx[idx >= 0]                                                 # (N,)
         if kept.numel():
             frac = torch.bincount(kept, minlength=self.tot_expert).float() / kept.numel()

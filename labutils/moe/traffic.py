@@ -14,9 +14,11 @@ chapter 06.)
   sit on the same rank crosses once, as a deduplicating exchange such as DeepEP's inter-node dispatch does).
 * ``deepspeed_bytes``: with ``drop_tokens=True`` DeepSpeed's all-to-all sends the whole ``(E, C, d)``
   capacity buffer, padded or not, whatever the routing; its ``C`` comes from
-  :func:`labutils.ds.gating.ds_capacity`, the lab's one copy of ``deepspeed/moe/sharded_moe.py:_capacity``.
-  ``deepspeed_dropless_capacity``: with ``drop_tokens=False`` (DeepSpeed 0.19.8) ``C`` is the largest
-  per-expert count, all-reduced with MAX over the expert-parallel group, so the bytes follow the routing.
+  :func:`labutils.moe.capacity.deepspeed_capacity`, the lab's one copy of
+  ``deepspeed/moe/sharded_moe.py:_capacity``. With ``drop_tokens=False`` (DeepSpeed 0.19.8) ``C`` is
+  :func:`labutils.moe.capacity.deepspeed_dropless_capacity`, the largest per-expert count, all-reduced with MAX
+  over the expert-parallel group, so the bytes follow the routing. Both formulas are imported from
+  ``capacity.py`` (and read here by chapter 06 as ``traffic.deepspeed_capacity``).
 
 The minimums and DeepSpeed's bytes are for ONE direction of one all-to-all (the dispatch); the return trip
 sends the same again (the wire count covers both), and the backward repeats both.
@@ -27,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from .capacity import deepspeed_capacity, deepspeed_dropless_capacity
 
 __all__ = ["record_traffic", "TrafficLog", "token_matrix", "minimum_bytes", "dedup_minimum_bytes",
            "deepspeed_capacity", "deepspeed_bytes", "deepspeed_dropless_capacity", "deepspeed_dropped",
@@ -103,13 +107,6 @@ def dedup_minimum_bytes(gate_idx_per_rank, num_expert: int, d_model: int, elemen
     return out * d_model * element_size
 
 
-def deepspeed_dropless_capacity(local_expert_counts) -> int:
-    """DeepSpeed's ``C`` with ``drop_tokens=False`` (``top2gating``/``topkgating``, 0.19.8): the largest
-    per-expert count on any rank (``torch.max(exp_counts)``, all-reduced with ``ReduceOp.MAX`` over the
-    expert-parallel group); no minimum capacity. ``local_expert_counts``: ``(W, E)``."""
-    return int(torch.as_tensor(local_expert_counts).max())
-
-
 def capacity_use(local_expert_counts, capacity: int) -> dict:
     """Per global expert, over all source ranks, with ``capacity`` slots per (rank, expert):
     ``{"routed", "kept", "dropped", "padding"}`` as ``(E,)`` int64 tensors; ``routed = kept + dropped`` and
@@ -120,20 +117,11 @@ def capacity_use(local_expert_counts, capacity: int) -> dict:
             "padding": (capacity - kept).sum(0)}
 
 
-def deepspeed_capacity(tokens: int, num_experts: int, capacity_factor: float, top_k: int = 1,
-                       min_capacity: int = 4) -> int:
-    """DeepSpeed's expert capacity ``C = max(ceil(tokens / E * capacity_factor * k), min_capacity)`` for the
-    rank's LOCAL ``tokens``, as DeepSpeed computes it (float32: S=100, E=4, cf=1.2 gives 31, not 30).
-    Calls :func:`labutils.ds.gating.ds_capacity`, the lab's one copy of the formula."""
-    from ..ds.gating import ds_capacity
-
-    return ds_capacity(tokens, num_experts, capacity_factor, k=top_k, min_capacity=min_capacity)
-
-
 def deepspeed_bytes(tokens: int, num_experts: int, world: int, d_model: int, element_size: int,
                     capacity_factor: float, top_k: int = 1, min_capacity: int = 4) -> int:
     """Bytes one rank sends to OTHER ranks in DeepSpeed's dispatch all-to-all: its ``(E, C, d)`` buffer
-    minus the ``E/W`` experts' slots that stay local, i.e. ``E*C*d*size*(W-1)/W``, independent of routing."""
+    minus the ``E/W`` experts' slots that stay local, i.e. ``E*C*d*size*(W-1)/W``, independent of routing.
+    ``min_capacity`` defaults to the ``MoE`` layer's 4 (:func:`deepspeed_capacity` itself defaults to 0)."""
     cap = deepspeed_capacity(tokens, num_experts, capacity_factor, top_k, min_capacity)
     return num_experts * cap * d_model * element_size * (world - 1) // world
 

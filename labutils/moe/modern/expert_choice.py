@@ -2,8 +2,9 @@
 
 Token choice lets each token pick k experts; expert choice turns the score matrix around: ``S = softmax(X W)``
 ``(T, E)``, then each expert takes the ``C`` tokens with the highest score in its column,
-``G, I = top_C(S^T)`` ``(E, C)``. Every expert gets exactly ``C = ceil(T * capacity_factor / E)`` tokens: perfect
-balance by construction, and a token may get 0, 1 or many experts.
+``G, I = top_C(S^T)`` ``(E, C)``. Every expert gets exactly ``C = ceil(T * capacity_factor / E)`` tokens
+(:func:`labutils.moe.capacity.expert_capacity`): perfect balance by construction, and a token may get 0, 1 or
+many experts.
 
 The causality caveat: the top-C is over ALL tokens of the batch, so whether token t gets an expert depends on the
 scores of tokens after it. A causal language model trained this way sees the future through the router
@@ -12,18 +13,11 @@ one token at a time, the routing is not the one it was trained with.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
+from ..capacity import expert_capacity  # C = ceil(T * cf / E): the formula, with the core's others
 
-def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
-    """``C = ceil(T * capacity_factor / E)``, at least 1 and at most ``T``."""
-    if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-            and math.isfinite(capacity_factor) and capacity_factor > 0):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
-    return max(1, min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts)))
+__all__ = ["expert_capacity", "expert_choice_route"]
 
 
 def expert_choice_route(scores: torch.Tensor, capacity: int):
