@@ -6,8 +6,9 @@
 * routing ``"token"`` (:class:`TopKRouter`: softmax/sigmoid, route_norm/scale, aux-free bias, balance and z
   losses) or ``"expert"`` (each expert takes its top-C tokens, ``expert_choice.py``);
 * ``capacity_factor``: ``None`` is dropless; a number caps each expert at ``ceil(cf * T * k / E)`` choices
-  (expert choice: ``C = ceil(cf * T / E)``), and over-capacity choices are dropped: first choices of every token
-  are served before second choices (GShard's priority), in token order within a rank;
+  (expert choice: ``C = ceil(cf * T / E)``; both formulas in ``labutils.moe.capacity``), and over-capacity
+  choices are dropped: first choices of every token are served before second choices (GShard's priority), in
+  token order within a rank (the core's ``position_in_expert``);
 * ``n_shared`` always-on experts (``shared_experts.py``); ``impl`` ``"loop"`` or ``"grouped"`` (``torch._grouped_mm``).
 
 While training, each forward appends to ``self.history``: ``counts`` ``(E,)``, ``dropped`` (share of token-choice
@@ -16,28 +17,16 @@ slots not served; for expert choice the share of tokens that got no expert), ``l
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from .aux_free import check_expert_bias
-from .expert_choice import expert_capacity, expert_choice_route
+from ..capacity import expert_capacity, position_in_expert, token_choice_capacity
+from .expert_choice import expert_choice_route
 from .experts import RoutedExperts
-from .losses import z_loss
 from .routers import TopKRouter
 from .shared import SharedExperts
 
 ROUTINGS = ("token", "expert")
-
-
-def keep_within_capacity(idx: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """``idx`` ``(T, k)`` -> ``(T, k)`` bool: which choices fit ``capacity`` per expert, rank-0 choices first."""
-    T, k = idx.shape
-    by_rank = idx.t().reshape(-1)                                          # (k T): all first choices, then second
-    onehot = torch.nn.functional.one_hot(by_rank, num_experts)             # (k T, E)
-    position = (onehot.cumsum(0) * onehot).sum(1) - 1                      # (k T) slot within its expert
-    return (position < capacity).reshape(k, T).t()                         # (T, k)
 
 
 class ModernMoE(nn.Module):
@@ -64,22 +53,18 @@ class ModernMoE(nn.Module):
         """``x`` ``(T, d)`` -> served choices as flat ``experts (n,), tokens (n,), weights (n,)``; dropped share."""
         T, E = x.shape[0], self.num_experts
         if self.routing == "expert":
-            logits = self.router.gate(x)                                   # (T, E)
-            self.router.last_logits = logits.detach()
-            if self.router.z_coef:
-                self.router.set_loss(self.router.z_coef * z_loss(logits))
+            scores = self.router.expert_choice_scores(x)                   # (T, E)
             capacity = expert_capacity(T, E, float(self.capacity_factor or 0))
-            tok, gates = expert_choice_route(torch.softmax(logits.float(), -1), capacity)    # (E, C) x2
+            tok, gates = expert_choice_route(scores, capacity)             # (E, C) x2
             served = torch.zeros(T, dtype=torch.bool, device=x.device).index_fill_(0, tok.reshape(-1), True)
             experts = torch.arange(E, device=x.device).repeat_interleave(tok.shape[1])
             return experts, tok.reshape(-1), gates.reshape(-1), 1 - served.float().mean().item()
-        if self.router.expert_bias is not None:
-            check_expert_bias(self.router.expert_bias, "ModernMoE.router.expert_bias")
         idx, w, _ = self.router(x, seq_len)                                # (T, k) x2
         tokens = torch.arange(T, device=x.device).repeat_interleave(self.top_k)
         if self.capacity_factor is None:
             return idx.reshape(-1), tokens, w.reshape(-1), 0.0
-        keep = keep_within_capacity(idx, E, math.ceil(self.capacity_factor * T * self.top_k / E)).reshape(-1)
+        capacity = token_choice_capacity(T, E, self.capacity_factor, self.top_k)
+        keep = (position_in_expert(idx, E) < capacity).reshape(-1)         # (T k) first choices served first
         return idx.reshape(-1)[keep], tokens[keep], w.reshape(-1)[keep], 1 - keep.float().mean().item()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +86,7 @@ class ModernMoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x2)
         if self.training:
-            logits = self.router.last_logits
-            stats = dict(counts=counts.detach().cpu(), dropped=dropped, logit_rms=0.0, logit_max=0.0, lse2=0.0)
-            if logits is not None:
-                stats.update(logit_rms=float(logits.pow(2).mean().sqrt()), logit_max=float(logits.abs().max()),
-                             lse2=float(z_loss(logits)))
-            self.history.append(stats)
+            self.history.append(dict(counts=counts.detach().cpu(), dropped=dropped, **self.router.logit_stats()))
         return y.reshape(x.shape)
 
     def active_params(self) -> int:
@@ -114,4 +94,4 @@ class ModernMoE(nn.Module):
         per_expert = 2 * self.d_model * self.experts.d_hidden
         k = self.top_k if self.routing == "token" else float(self.capacity_factor or 0)
         shared = sum(p.numel() for p in self.shared.parameters()) if self.shared is not None else 0
-        return int(k * per_expert) + shared + self.router.gate.weight.numel()
+        return int(k * per_expert) + shared + sum(p.numel() for p in self.router.parameters())

@@ -81,6 +81,25 @@ class TopKRouter(BaseGate):
         self.set_loss(self.aux_loss(logits, s, idx, seq_len))
         return idx, w.to(x.dtype), s
 
+    def expert_choice_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's part of expert choice: ``x`` ``(T, d)`` -> softmax scores ``(T, E)`` (float32) for every
+        expert to pick its tokens from; stores the logits and, with ``z_coef``, the z-loss (no balance loss, no
+        bias: each expert takes ``C`` tokens)."""
+        logits = self.gate(x)                                                # (T, E)
+        self.last_logits = logits.detach()
+        if self.z_coef:
+            self.set_loss(self.z_coef * z_loss(logits))
+        return torch.softmax(logits.float(), -1)
+
+    def logit_stats(self) -> dict:
+        """``logit_rms``, ``logit_max`` and ``lse2`` (the z-loss value) of the last forward's logits; zeros before
+        the first."""
+        logits = self.last_logits
+        if logits is None:
+            return dict(logit_rms=0.0, logit_max=0.0, lse2=0.0)
+        return dict(logit_rms=float(logits.pow(2).mean().sqrt()), logit_max=float(logits.abs().max()),
+                    lse2=float(z_loss(logits)))
+
     def aux_loss(self, logits, s, idx, seq_len) -> torch.Tensor:
         loss = logits.new_zeros((), dtype=torch.float32)
         if self.balance != "none":
