@@ -29,9 +29,9 @@ def test_init_deepspeed_single_process_is_quiet_idempotent_and_uses_a_free_port(
     code = """
 import json, os
 from labutils.ds import init_deepspeed
-import deepspeed.comm as dc
-a = init_deepspeed()
+a = init_deepspeed()  # prepares DeepSpeed's environment (importing labutils.ds does not), then imports it
 b = init_deepspeed()
+import deepspeed.comm as dc
 print(json.dumps({"a": a, "b": b, "ds": dc.is_initialized(), "world": dc.get_world_size(),
                   "port": os.environ["MASTER_PORT"], "ext": os.environ["TORCH_EXTENSIONS_DIR"]}))
 """
@@ -70,6 +70,32 @@ print(os.environ["MASTER_PORT"])
                              env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() != str(port)
+
+
+_ENV_PROBE = """
+import json, os
+before = dict(os.environ)
+import labutils.ds, labutils.ds.gating, labutils.ds.runtime, labutils.moe.traffic
+{then}
+after = dict(os.environ)
+print(json.dumps(sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))))
+"""
+
+
+@pytest.mark.parametrize("then, changed", [
+    ("", []),
+    ("labutils.ds.runtime._prepare_environment()  # what importing runtime used to do", ["TORCH_EXTENSIONS_DIR"]),
+], ids=["import", "negative control: the old import-time set-up"])
+def test_importing_the_deepspeed_wing_leaves_the_environment_alone(then, changed):
+    """Importing labutils.ds (and its gating) sets no environment variable; DeepSpeed's cache and accelerator are
+    set by import_deepspeed / init_deepspeed / build_ops when they run. The control runs that set-up by hand
+    (the probe sees it), with the two variables unset as in a fresh shell."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")}
+    run = subprocess.run([sys.executable, "-c", _ENV_PROBE.format(then=then)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(changed) <= set(got) <= {"TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR"} and bool(got) == bool(changed), got
 
 
 def _adopt():

@@ -5,9 +5,10 @@
 
 * :func:`import_deepspeed` imports DeepSpeed with its CPU accelerator chosen explicitly (``DS_ACCELERATOR=cpu``
   when there is no CUDA), its logger at ERROR and its C++ ops cached under ``<repo>/.cache/torch_extensions``
-  (``TORCH_EXTENSIONS_DIR``). Both variables are set only if unset, already when this module is imported
-  (so a later plain ``import deepspeed`` is quiet too), and the cache only when this package sits in the
-  lab's repository (elsewhere DeepSpeed's default cache is kept).
+  (``TORCH_EXTENSIONS_DIR``). Both variables are set only if unset, when it is called (importing this
+  module changes nothing in the process), and the cache only when this package sits in the lab's repository
+  (elsewhere DeepSpeed's default cache is kept). :func:`init_deepspeed`, :func:`build_ops` and
+  :func:`moe_layers` call it; call it before a plain ``import deepspeed`` so that one is quiet too.
 * :func:`init_deepspeed` starts ``deepspeed.comm``: with no process group it sets ``RANK=0 WORLD_SIZE=1
   LOCAL_RANK=0 MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` and starts gloo (no MPI); with an existing
   group (inside ``labutils.launch`` workers, torchrun) DeepSpeed adopts it. Calling it again does nothing.
@@ -53,16 +54,14 @@ def extensions_dir() -> pathlib.Path | None:
 
 
 def _prepare_environment() -> None:
+    """DeepSpeed's op cache and CPU accelerator in ``os.environ`` (each only if unset): called by
+    :func:`import_deepspeed`, never at import."""
     where = extensions_dir()
     if where is not None:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(where))
     if "deepspeed" not in sys.modules and not torch.cuda.is_available():
         # what DeepSpeed would pick anyway, without its "Setting accelerator to CPU" warning at import
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-# At import, so that `from labutils.ds import init_deepspeed; import deepspeed` is quiet and uses the cache too.
-_prepare_environment()
 
 
 def import_deepspeed(quiet_logs: bool = True):
@@ -207,6 +206,7 @@ def shard_for_rank(full: dict, sharded_model: torch.nn.Module, rank: int) -> dic
     rank ``r``). Works for parameters, gradients or a state_dict:
     ``sharded.load_state_dict(shard_for_rank(full.state_dict(), sharded, rank))``.
     """
+    import_deepspeed()
     from deepspeed.moe.layer import MoE
 
     mapping = {}
