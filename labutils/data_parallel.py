@@ -13,7 +13,12 @@ parameter with the group its gradient is reduced over, in fastmoe's vocabulary (
 * ``"gate"`` / ``"world"``: dense, reduced over every rank (fastmoe tags its gate ``"gate"``);
 * ``"expert"`` / ``"none"`` (fastmoe's expert tag), or DeepSpeed's ``param.allreduce is False``: expert;
   all-reduce only over the *expert-data-parallel* group (ranks holding a replica of the same expert; none
-  when every expert lives on exactly one rank).
+  when every expert lives on exactly one rank, fastmoe's default: its ``DistributedGroupedDataParallel``
+  reduces ``"none"`` only when given ``none_group=``).
+
+:class:`GroupedDataParallel` (DeepSpeed's expert scale by default) and fastmoe's
+:class:`DistributedGroupedDataParallel` (its constructor and division order) read the tags alike and reduce
+through the same two functions: one flat all-reduce and one flat broadcast per group and dtype.
 
 Scale of expert gradients: an expert already receives the gradients of the tokens of every rank in its
 expert-parallel group (through the backward all-to-all), so after the expert-data-parallel sum it holds
@@ -72,15 +77,37 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _allreduce_flat(tensors: list, group, divisor: float) -> None:
-    """Sum ``tensors`` over ``group`` in one flat buffer per dtype, divide by ``divisor``, write back."""
+def _by_dtype(tensors: list) -> list:
+    """``tensors`` in lists of one dtype each (first-seen order): one flat buffer per list."""
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
+    return list(by_dtype.values())
+
+
+def _allreduce_flat(tensors: list, group, divisor: float, *, divide_first: bool = False, fp32: bool = False) -> None:
+    """Sum ``tensors`` over ``group`` in one flat buffer per dtype, divide by ``divisor``, write back.
+    ``divide_first``: divide before the sum (fastmoe's default); ``fp32``: sum a low-precision buffer in float32."""
+    for same in _by_dtype(tensors):
         flat = torch.cat([t.reshape(-1) for t in same])  # (sum numel,)
+        if fp32 and flat.dtype != torch.float32:
+            flat = flat.float()
+        if divide_first:
+            flat /= divisor
         dist.all_reduce(flat, group=group)
-        flat /= divisor
+        if not divide_first:
+            flat /= divisor
+        for t, piece in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(piece.view_as(t))
+
+
+@torch.no_grad()
+def _broadcast_flat(tensors: list, group) -> None:
+    """Copy ``tensors`` from the first rank of ``group`` (None: every rank) to the others, one buffer per dtype."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for same in _by_dtype(tensors):
+        flat = torch.cat([t.reshape(-1) for t in same])  # (sum numel,)
+        dist.broadcast(flat, src=src, group=group)
         for t, piece in zip(same, flat.split([t.numel() for t in same])):
             t.copy_(piece.view_as(t))
 
@@ -119,14 +146,12 @@ def broadcast_grouped_params(module: nn.Module, *, dp_group=None, expert_dp_grou
     ``"world"``: every rank, ``"expert"``: ``expert_dp_group``; experts are left alone when that is ``None``,
     each rank keeps its own)."""
     groups = {"dp": dp_group, "world": None, "expert": expert_dp_group}
-    with torch.no_grad():
-        for p in module.parameters():
-            key = grad_group(p)
-            if key == "expert" and expert_dp_group is None:
-                continue
-            group = groups[key]
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            dist.broadcast(p.data, src=src, group=group)
+    params: dict = {"dp": [], "world": [], "expert": []}
+    for p in module.parameters():
+        params[grad_group(p)].append(p.data)
+    for key, group in groups.items():
+        if params[key] and not (key == "expert" and expert_dp_group is None):
+            _broadcast_flat(params[key], group)
 
 
 class GroupedDataParallel(nn.Module):
@@ -157,16 +182,19 @@ class GroupedDataParallel(nn.Module):
 class DistributedGroupedDataParallel(nn.Module):
     """fastmoe's ``DistributedGroupedDataParallel``, same constructor and methods. (Taught in chapter 07.)
 
-    Each parameter's gradient is averaged over the group named by its ``dp_comm`` tag (untagged: ``"dp"``).
-    Groups come from keyword arguments ending in ``_group`` (``dp_group=``, ``mp_group=``, ``gate_group=``,
-    ``moe_group=``, ``world_group=``, any ``<tag>_group=``); ``dp``, ``gate``, ``moe`` and ``world`` default to
-    every rank. A tag with no group is left alone: fastmoe's experts (tag ``"none"``) keep their gradient, which
-    already SUMS every rank's tokens through the backward all-to-all (not averaged, unlike
-    :class:`GroupedDataParallel`'s default); ``"mp"`` is left alone unless ``mp_group=`` is given.
+    The tags mean what they mean everywhere in this module (:func:`grad_group`): untagged or ``"dp"`` dense over
+    the data-parallel group, ``"gate"`` / ``"world"`` dense over every rank, ``"none"`` (fastmoe's expert tag) an
+    expert, reduced only over the ranks that hold a replica of it. fastmoe names each tag's group with a keyword
+    ``<tag>_group=`` (``dp_group=``, ``gate_group=``, ``world_group=``, ``moe_group=``, ``mp_group=``, ...;
+    ``dp``, ``gate``, ``moe`` and ``world`` default to every rank) and leaves a tag with no group alone: its
+    experts have no replicas unless you pass ``none_group=``, so they keep their gradient, which already SUMS
+    every rank's tokens through the backward all-to-all. That is :class:`GroupedDataParallel` with
+    ``expert_dp_group=None, expert_scale="sum"``, and both reduce through the same flat all-reduce.
 
     ``allreduce_gradients(no_scale=False, reduce_after=False, fp32_allreduce=False)`` (alias
-    ``allreduce_params``) is called by you after ``backward()``; ``need_sync=True`` broadcasts every tagged
-    group's parameters from the group's first rank at construction.
+    ``allreduce_params``) is called by you after ``backward()``: each group's gradients are divided by its size
+    before the sum (after it with ``reduce_after=True``, not at all with ``no_scale=True``), as fastmoe does.
+    ``need_sync=True`` broadcasts every tagged group's parameters from the group's first rank at construction.
     """
 
     def __init__(self, module: nn.Module, auto_allreduce: bool = False, need_sync: bool = True, **kwargs):
@@ -187,47 +215,33 @@ class DistributedGroupedDataParallel(nn.Module):
             self._sync_params()
 
     def _by_comm(self, need_grad: bool) -> dict:
-        """``(tag, dtype) -> [param]`` for every tag that has a group."""
+        """``tag -> [param]`` for every tag that has a group (fastmoe leaves the others alone)."""
         groups: dict = {}
         for p in self.module.parameters():
             if need_grad and (not p.requires_grad or p.grad is None):
                 continue
             tag = getattr(p, "dp_comm", "dp")
             if tag in self.comms:
-                groups.setdefault((tag, p.dtype), []).append(p)
+                groups.setdefault(tag, []).append(p)
         return groups
 
     def allreduce_gradients(self, no_scale: bool = False, reduce_after: bool = False,
                             fp32_allreduce: bool = False) -> None:
         """Average (``no_scale=True``: sum) each tagged group's gradients over its process group."""
-        for (tag, dtype), params in self._by_comm(need_grad=True).items():
+        for tag, params in self._by_comm(need_grad=True).items():
             comm = self.comms[tag]
-            size = dist.get_world_size(comm)
-            grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])                 # (sum numel,)
-            if fp32_allreduce and dtype != torch.float32:
-                flat = flat.float()
-            if not no_scale and not reduce_after:
-                flat /= size
-            dist.all_reduce(flat, group=comm)
-            if not no_scale and reduce_after:
-                flat /= size
-            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(piece.view_as(g))
+            divisor = 1.0 if no_scale else float(dist.get_world_size(comm))
+            _allreduce_flat([p.grad for p in params], comm, divisor, divide_first=not reduce_after,
+                            fp32=fp32_allreduce)
 
     def allreduce_params(self, no_scale: bool = False, reduce_after: bool = False,
                          fp32_allreduce: bool = False) -> None:
         """fastmoe's alias of :meth:`allreduce_gradients`."""
         self.allreduce_gradients(no_scale, reduce_after, fp32_allreduce)
 
-    @torch.no_grad()
     def _sync_params(self) -> None:
-        for (tag, _), params in self._by_comm(need_grad=False).items():
-            comm = self.comms[tag]
-            flat = torch.cat([p.data.reshape(-1) for p in params])
-            dist.broadcast(flat, src=dist.get_global_rank(comm, 0), group=comm)
-            for p, piece in zip(params, flat.split([p.numel() for p in params])):
-                p.data.copy_(piece.view_as(p))
+        for tag, params in self._by_comm(need_grad=False).items():
+            _broadcast_flat([p.data for p in params], self.comms[tag])
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
