@@ -165,7 +165,8 @@ def coursework_copies() -> str:
     return "\n" + cc.table() + "\n"
 
 
-GENERATORS = {"coursework-copies": coursework_copies, "ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense, "bench-launch": bench_launch,
+GENERATORS = {"coursework-copies": coursework_copies, "ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense,
+              "bench-launch": bench_launch,
               "bench-comm": bench_comm, "bench-full-scale": bench_full_scale,
               "bench-token-exchange": bench_token_exchange, "bench-train-step": bench_train_step,
               "bench-matmul": bench_matmul, "ch09": ch09, "bench-modern-moe": bench_modern_moe}
