@@ -32,7 +32,7 @@ __version__ = "0.3.0"
 # public name -> module that defines it
 _EXPORTS = {
     # chapter 00: foundation
-    "launch": "launcher", "WorkerError": "launcher", "worker_info": "launcher", "default_backend": "launcher",
+    "launch": "launcher", "WorkerError": "launcher", "worker_info": "launcher", "default_backend": "backend",
     "select_preset": "presets", "preset_name": "presets",
     "cmp": "compare", "check": "compare", "assert_close": "compare",
     "compare_tensors": "compare", "compare_models": "compare", "ParityReport": "compare",
