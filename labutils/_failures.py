@@ -49,9 +49,9 @@ def _signal_name(code: int) -> str:
 
 
 class Reports:
-    """The reports of :class:`launcher._Run` (its state: ``world_size``, ``timeout``, ``debug``, ``tmpdir``,
-    ``pids``, ``exits``, ``stderr_tail``, ``proc``, ``calls``, ``_watched``; its ``drain`` and
-    ``failed_ranks``)."""
+    """The reports of :class:`_run.Run`, which inherits them; they read its state (``world_size``, ``timeout``,
+    ``debug``, ``tmpdir``, ``pids``, ``exits``, ``stderr_tail``, ``proc``, ``calls``, ``_watched``) and call its
+    ``drain`` and ``failed_ranks``."""
 
     def mismatch(self) -> WorkerError | None:
         """A WorkerError when every live rank has sat ``MISMATCH_S`` seconds in the same call of a collective
