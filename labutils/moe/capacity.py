@@ -1,28 +1,17 @@
-"""Expert capacity: every formula for how many choices an expert accepts, and which are dropped. (Taught in
-chapter 01; the DeepSpeed formulas in chapter 02, expert choice and GShard's token choice in chapter 09.)
+"""Expert capacity: every formula for how many choices an expert accepts, each once, and which are dropped.
+(Taught in chapter 01; DeepSpeed's formulas in chapter 02, token and expert choice in chapter 09.)
 
-Every capacity formula of the lab is here, each once (slots per expert, from the number of tokens ``T``, the
-number of experts ``E``, the capacity factor ``cf`` and the choices per token ``k``):
-
-* :func:`deepspeed_capacity` ``max(ceil(T / E * float32(cf * k)), min_capacity)``: DeepSpeed's ``_capacity``
-  (``deepspeed/moe/sharded_moe.py``), float32 product included; :func:`exact_capacity` the same in exact
-  arithmetic; :func:`deepspeed_dropless_capacity` the largest per-expert count (``drop_tokens=False``);
-* :func:`token_choice_capacity` ``ceil(cf * T * k / E)`` (GShard's token choice; ``ModernMoE``) and
-  :func:`expert_capacity` ``ceil(T * cf / E)`` (expert choice: each expert takes exactly that many tokens);
-* fastmoe's gates: :func:`fastmoe_gshard_capacity` ``floor(ceil(cf * T) * k / E)``,
-  :func:`fastmoe_switch_capacity` ``ceil(cf * T / num_expert)``, :func:`fastmoe_dc_capacity` ``ceil(cf * T)``.
+* DeepSpeed: :func:`deepspeed_capacity` (its float32 ``_capacity``), :func:`exact_capacity` (the same, exact),
+  :func:`deepspeed_dropless_capacity` (``drop_tokens=False``: the largest per-expert count);
+* :func:`token_choice_capacity` (GShard's ``ceil(cf * T * k / E)``), :func:`expert_capacity` (expert choice);
+* fastmoe's gates: :func:`fastmoe_gshard_capacity`, :func:`fastmoe_switch_capacity`, :func:`fastmoe_dc_capacity`.
 
 Over-capacity choices become ``-1`` (dropped: the token gets nothing from that expert; in a transformer the
 residual connection carries it). fastmoe drops in the order its CUDA atomics happen to run; here the drops are
-deterministic: all first choices in token order, then all second choices (GShard's Algorithm 1), and across
-workers rank 0's tokens first, so a result is reproducible.
-
-* :func:`limit_by_capacity` is fastmoe's (``fmoe/gates/utils.py``): each LOCAL expert takes at most
-  ``capacity`` tokens from ALL workers together; returns ``(new_lec, new_gec, topk_idx)``.
-* :func:`drop_over_capacity` is the lab's one-worker form: ``gate_idx`` with over-capacity choices set to -1;
-  :func:`position_in_expert` each choice's slot at its expert, the one drop order.
-* :func:`capacity_factors` / :func:`warn_small_capacity`: the gates' checks of their capacity factors;
-  :class:`CapacityFactors` applies the first to every assignment of a gate's ``capacity``.
+deterministic (:func:`position_in_expert`): all first choices in token order, then all second choices (GShard's
+Algorithm 1), and across workers rank 0's tokens first. :func:`limit_by_capacity` is fastmoe's (each LOCAL
+expert takes at most ``capacity`` tokens from ALL workers), :func:`drop_over_capacity` the one-worker form.
+:func:`capacity_factors` / :class:`CapacityFactors` / :func:`warn_small_capacity` check the gates' factors.
 """
 from __future__ import annotations
 
@@ -42,14 +31,12 @@ from ..collectives import require_process_group
 # ---- the formulas -------------------------------------------------------------------------------------
 def deepspeed_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
                        min_capacity: int = 0) -> int:
-    """DeepSpeed's expert capacity ``max(ceil(cf * k * S / E), min_capacity)`` for a rank's LOCAL ``num_tokens``
-    ``S``, computed as its ``_capacity`` does: ``(S / E) * float32(cf * k)``. (Taught in chapter 02.)
+    """DeepSpeed's ``max(ceil(cf * k * S / E), min_capacity)`` for a rank's LOCAL ``num_tokens`` ``S``, computed as
+    its ``_capacity`` (``deepspeed/moe/sharded_moe.py``) does: ``(S / E) * float32(cf * k)``. (Chapter 02.)
 
-    The float32 product can land just above an integer, so ``C`` is one more than the exact value
-    (e.g. S=100, E=4, cf=1.2: exact 30, DeepSpeed 31); see :func:`exact_capacity`. ``min_capacity`` defaults to
-    0 (no floor: the bare formula, as ``_capacity``, which has no default, is called with its own); DeepSpeed's
-    ``MoE`` layer passes its default 4, so pass ``min_capacity=4`` to model a layer built with defaults.
-    """
+    The float32 product can land just above an integer (S=100, E=4, cf=1.2: exact 30, DeepSpeed 31; see
+    :func:`exact_capacity`). ``min_capacity`` 0 is no floor (``_capacity`` has no default); DeepSpeed's ``MoE``
+    layer passes its default 4: pass ``min_capacity=4`` to model a layer built with defaults."""
     factor = torch.tensor(capacity_factor * k)                                # float32, as in DeepSpeed
     capacity = torch.ceil((num_tokens / num_experts) * factor).to(torch.int64)
     return max(int(capacity), int(min_capacity))
