@@ -21,7 +21,6 @@ Nothing is lost to a bad input:
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, CheckpointSaveError, check_writable, load_checkpoint, restore, save_checkpoint  # noqa: F401
 from .checkpoint import save_or_raise as _save
+from .data import _size  # the one int check of the trainer and its data
 from .models import AUX_COEF, ExpertLoadRecorder
 from .moe.gates import collect_aux_loss
 
@@ -111,12 +111,6 @@ def _is_engine(model) -> bool:
     return all(hasattr(model, a) for a in ("backward", "step", "module"))
 
 
-def _count(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _positive(value) -> bool:
     if isinstance(value, (bool, str)):
         return False
@@ -130,9 +124,9 @@ def _check_arguments(model, data, steps, save_every, eval_every, lr, clip, check
     """Every argument of :func:`train` that can be wrong before the first step, with what was expected."""
     if engine and checkpoint is not None:
         raise ValueError("checkpoints of a DeepSpeed engine go through engine.save_checkpoint, not train()")
-    steps = _count("steps", steps)
-    _count("save_every", save_every)
-    _count("eval_every", eval_every)
+    steps = _size("steps", steps, minimum=0)
+    _size("save_every", save_every, minimum=0)
+    _size("eval_every", eval_every, minimum=0)
     if not engine and not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a DeepSpeed engine, got {type(model).__name__}")
     needed = ("next_batch",) + (("state_dict", "load_state_dict") if checkpoint is not None else ())
@@ -281,7 +275,7 @@ def evaluate_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     if len(inputs) != len(targets) or len(inputs) == 0:
         raise ValueError(f"evaluate_loss needs as many inputs as targets, at least one: got {len(inputs)} inputs "
                          f"and {len(targets)} targets")
-    _count("batch_size", batch_size, minimum=1)
+    _size("batch_size", batch_size)
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
