@@ -1,12 +1,13 @@
 """Brute-force reference for :class:`ModernMoE`: one token, one expert at a time, Python loops, no sorting
-tricks. Every chapter 09 parity check compares the layer with it. (Taught in chapter 09.)
+tricks. Every chapter 09 parity check compares the layer with it. (Taught in chapter 09.) The capacities are
+the core's formulas (``labutils.moe.capacity``, tested on their own); the routing and the drops are re-derived.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+from ..capacity import expert_capacity, token_choice_capacity
 
 
 def _expert(layer, e: int, v: torch.Tensor) -> torch.Tensor:
@@ -19,7 +20,7 @@ def reference_routes(layer, x2: torch.Tensor) -> list:
     logits = x2 @ router.gate.weight.t()                                           # (T, E)
     if layer.routing == "expert":
         probs = torch.softmax(logits, -1)
-        C = max(1, min(T, math.ceil(T * layer.capacity_factor / E)))
+        C = expert_capacity(T, E, layer.capacity_factor)
         return [(t, e, probs[t, e]) for e in range(E)
                 for t in sorted(range(T), key=lambda t: -float(probs[t, e].detach()))[:C]]
     chosen = []
@@ -33,7 +34,7 @@ def reference_routes(layer, x2: torch.Tensor) -> list:
         chosen.append([(t, e, router.route_scale * w[j]) for j, e in enumerate(top)])
     if layer.capacity_factor is None:
         return [c for row in chosen for c in row]
-    cap, used, kept = math.ceil(layer.capacity_factor * T * layer.top_k / E), [0] * E, []
+    cap, used, kept = token_choice_capacity(T, E, layer.capacity_factor, layer.top_k), [0] * E, []
     for j in range(layer.top_k):              # every token's first choice, then every second choice, ...
         for t in range(T):
             _, e, w = chosen[t][j]
