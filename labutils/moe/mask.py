@@ -34,7 +34,7 @@ def check_mask(mask, mask_dict, num_tokens: int):
     return mask
 
 
-def fill_masked(y: torch.Tensor, mask: torch.Tensor, mask_dict: dict, k: int) -> torch.Tensor:
+def fill_masked(y: torch.Tensor, mask: torch.Tensor, mask_dict, k: int) -> torch.Tensor:
     """``(T_kept*k, d)`` expert outputs of the rows whose ``mask`` is 0 -> ``(T*k, d)``: a masked row takes
     ``mask_dict[its mask value]`` for each of its ``k`` choices, the others zero."""
     T = mask.numel()
