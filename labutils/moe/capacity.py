@@ -19,7 +19,7 @@ import math
 import numbers
 import warnings
 from fractions import Fraction
-from typing import overload
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -185,7 +185,7 @@ def exchange_counts(counts: torch.Tensor, world_size: int, group=None) -> torch.
 
 # the 0.2.0 call limit_by_capacity(gate_idx, tot_expert, capacity): drop_over_capacity's result, with the warning
 # and versions of labutils._deprecate's table
-_limit_by_capacity_020 = deprecated("limit_by_capacity", drop_over_capacity)
+_limit_by_capacity_020: Any = deprecated("limit_by_capacity", drop_over_capacity)  # -> a (T, k) tensor
 
 
 def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, _old_capacity=None, /, *, world_size: int | None = None,
