@@ -285,6 +285,35 @@ class _BadGate(nn.Module):
         return torch.zeros(T, 2), torch.ones(T, 2)  # float ids
 
 
+
+def test_a_tensor_input_goes_through_no_tree_utility(monkeypatch):
+    """FMoE's forward and backward on a plain tensor (masked too) never call tree.py's helpers (issue 25); the
+    negative control, a dict input, does."""
+    import labutils.moe.layers as layers
+
+    calls = []
+    for name in ("tree_flatten", "tree_unflatten", "tree_split", "tree_cat", "exchange_packed"):
+        fn = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    torch.manual_seed(0)
+    mask = dict(mask=torch.tensor([0, 1, 0, 0]), mask_dict={1: torch.zeros(D)})
+    for layer in (make_layer(NaiveGate, 2), FMoETransformerMLP(E, D, H, top_k=2, **mask),
+                  FMoE(num_expert=E, d_model=D, top_k=2, expert=lambda d: nn.Linear(d, d))):
+        layer(torch.randn(4, D, requires_grad=True)).sum().backward()
+    assert calls == []
+
+    class DictGate(NaiveGate):
+        def forward(self, inp):
+            return super().forward(inp["a"])
+
+    class DictExpert(nn.Linear):
+        def forward(self, inp):
+            return {"a": super().forward(inp["a"])}
+
+    tree_layer = FMoE(num_expert=E, d_model=D, top_k=2, gate=DictGate, expert=lambda d: DictExpert(d, d))
+    tree_layer({"a": torch.randn(4, D)})["a"].sum().backward()
+    assert {"tree_flatten", "tree_unflatten", "tree_split", "tree_cat"} <= set(calls)
+
 @pytest.mark.parametrize("bad,match", [("shape", "gate_top_k_idx of shape"), ("range", "expected -1"),
                                        ("dtype", "integer")])
 def test_bad_gate_output(bad, match):

@@ -220,6 +220,19 @@ def test_local_order_makes_each_local_expert_contiguous():
     assert reordered == sorted(tags, key=lambda t: (t[1], t[0]))       # by expert, then source, stable
 
 
+
+def test_disagreements_name_each_field_that_differs_and_nothing_else():
+    """The agreement check's verdict (labutils.agreement, shared by collectives and check_agreement): one line
+    per differing column, each rank's value, dtypes by name; ranks that agree give none."""
+    from labutils.agreement import disagreements, dtype_code, dtype_name
+
+    f32, f64 = dtype_code(torch.float32), dtype_code(torch.float64)
+    rows = torch.tensor([[7, 2, f32], [7, 5, f64]])                      # (W=2, 3 fields)
+    got = disagreements(rows, ["tag", "num_expert", "dtype"], show={"dtype": dtype_name})
+    assert got == {"num_expert": "num_expert: rank 0=2, rank 1=5",
+                   "dtype": "dtype: rank 0=torch.float32, rank 1=torch.float64"}
+    assert disagreements(rows[[0, 0]], ["tag", "num_expert", "dtype"]) == {}
+
 def test_shard_state_slices_fused_and_renumbers_lists():
     from labutils.moe.expert_parallel import shard_state
 
