@@ -11,7 +11,9 @@ FastMoE's recipe, in plain PyTorch collectives (gloo on CPU, NCCL on GPUs):
     return       all_to_all back (the split sizes swap roles)
 
 Global expert ``g`` lives on rank ``g // num_expert`` as local expert ``g % num_expert``. Everything after the
-counts is differentiable (``labutils.collectives.all_to_all``'s backward is the reverse all-to-all).
+counts is differentiable (``labutils.collectives.all_to_all``'s backward is the reverse all-to-all). The dispatch
+and local order are :func:`to_experts`, their inverse :func:`from_experts` (fastmoe's ``global_scatter`` /
+``global_gather``, which the fastmoe face's ``MOEScatter`` / ``MOEGather`` call too).
 """
 from __future__ import annotations
 
