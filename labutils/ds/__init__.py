@@ -4,9 +4,7 @@
   its CPU op once, guard against ranks that disagree on the capacity. Needs ``deepspeed`` when called.
 * :mod:`labutils.ds.gating`: DeepSpeed's top-1/2/k gating re-derived in plain PyTorch. Needs only torch. Its
   capacity formula is the MoE core's (:func:`labutils.moe.capacity.deepspeed_capacity`, ``ds_capacity`` here).
-
-Importing this package changes nothing in the process (no environment variable is set): DeepSpeed's
-environment is prepared by :func:`import_deepspeed`, which every function that starts DeepSpeed calls.
+Importing this package sets no environment variable (:func:`import_deepspeed` does, when DeepSpeed starts).
 
 A coursework copy that does not use DeepSpeed may delete this folder.
 """

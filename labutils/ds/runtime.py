@@ -4,11 +4,10 @@
     init_deepspeed()            # single process (gloo) in a notebook; adopts the group inside launch workers
 
 * :func:`import_deepspeed` imports DeepSpeed with its CPU accelerator chosen explicitly (``DS_ACCELERATOR=cpu``
-  when there is no CUDA), its logger at ERROR and its C++ ops cached under ``<repo>/.cache/torch_extensions``
-  (``TORCH_EXTENSIONS_DIR``). Both variables are set only if unset, when it is called (importing this
-  module changes nothing in the process), and the cache only when this package sits in the lab's repository
-  (elsewhere DeepSpeed's default cache is kept). :func:`init_deepspeed`, :func:`build_ops` and
-  :func:`moe_layers` call it; call it before a plain ``import deepspeed`` so that one is quiet too.
+  without CUDA), its logger at ERROR and its C++ ops cached under ``<repo>/.cache/torch_extensions``
+  (``TORCH_EXTENSIONS_DIR``, only when this package sits in the lab's repository); each variable only if unset
+  and only when called (importing this module changes nothing). Every function here that needs DeepSpeed calls
+  it; call it before a plain ``import deepspeed`` so that one is quiet too.
 * :func:`init_deepspeed` starts ``deepspeed.comm``: with no process group it sets ``RANK=0 WORLD_SIZE=1
   LOCAL_RANK=0 MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` and starts gloo (no MPI); with an existing
   group (inside ``labutils.launch`` workers, torchrun) DeepSpeed adopts it. Calling it again does nothing.

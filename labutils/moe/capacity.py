@@ -50,22 +50,18 @@ def exact_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k:
 
 
 def deepspeed_dropless_capacity(local_expert_counts) -> int:
-    """DeepSpeed's ``C`` with ``drop_tokens=False`` (``top2gating``/``topkgating``, 0.19.8): the largest
-    per-expert count on any rank (``torch.max(exp_counts)``, all-reduced with ``ReduceOp.MAX`` over the
-    expert-parallel group); no minimum capacity (``top1gating`` also caps it at the number of tokens).
-    ``local_expert_counts``: ``(W, E)`` (or one rank's ``(E,)``)."""
+    """DeepSpeed's ``C`` with ``drop_tokens=False`` (0.19.8): the largest per-expert count of ``(W, E)`` or ``(E,)``
+    counts (``torch.max(exp_counts)``, MAX-all-reduced over the expert group); no floor (top-1 caps it at S)."""
     return int(torch.as_tensor(local_expert_counts).max())
 
 
 def token_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int) -> int:
-    """GShard's token-choice capacity ``ceil(cf * T * k / E)``: slots per expert for ``T`` tokens choosing ``k``
-    of ``E`` experts each. (``ModernMoE``, chapter 09.)"""
+    """GShard's token-choice ``ceil(cf * T * k / E)``: ``T`` tokens choose ``k`` of ``E`` experts. (Chapter 09.)"""
     return math.ceil(capacity_factor * num_tokens * k / num_experts)
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
-    """Expert choice's ``C = ceil(T * capacity_factor / E)``, at least 1 and at most ``T``: every expert takes
-    exactly ``C`` tokens. (Chapter 09.)"""
+    """Expert choice's ``C = ceil(T * cf / E)`` in ``[1, T]``: every expert takes exactly ``C`` tokens. (Ch. 09.)"""
     if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
             and math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
@@ -73,8 +69,7 @@ def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -
 
 
 def fastmoe_gshard_capacity(num_tokens: int, factor: float, top_k: int, tot_expert: int) -> int:
-    """fastmoe's ``GShardGate``: ``floor(ceil(factor * T) * k / tot_expert)`` per global expert, for this
-    worker's ``T`` tokens (fastmoe's rounding; can be 0)."""
+    """fastmoe's ``GShardGate``: ``floor(ceil(factor * T) * k / tot_expert)`` for this worker's T (can be 0)."""
     return math.ceil(factor * num_tokens) * top_k // tot_expert
 
 

@@ -13,12 +13,9 @@ chapter 06.)
   exchange sends) and ``dedup_minimum_bytes`` (one row per (token, remote RANK): a token whose two experts
   sit on the same rank crosses once, as a deduplicating exchange such as DeepEP's inter-node dispatch does).
 * ``deepspeed_bytes``: with ``drop_tokens=True`` DeepSpeed's all-to-all sends the whole ``(E, C, d)``
-  capacity buffer, padded or not, whatever the routing; its ``C`` comes from
-  :func:`labutils.moe.capacity.deepspeed_capacity`, the lab's one copy of
-  ``deepspeed/moe/sharded_moe.py:_capacity``. With ``drop_tokens=False`` (DeepSpeed 0.19.8) ``C`` is
-  :func:`labutils.moe.capacity.deepspeed_dropless_capacity`, the largest per-expert count, all-reduced with MAX
-  over the expert-parallel group, so the bytes follow the routing. Both formulas are imported from
-  ``capacity.py`` (and read here by chapter 06 as ``traffic.deepspeed_capacity``).
+  capacity buffer, padded or not, whatever the routing (``C``: ``capacity.deepspeed_capacity``, imported here);
+  with ``drop_tokens=False`` ``C`` is ``capacity.deepspeed_dropless_capacity``, the largest per-expert count
+  all-reduced with MAX over the expert-parallel group, so the bytes follow the routing.
 
 The minimums and DeepSpeed's bytes are for ONE direction of one all-to-all (the dispatch); the return trip
 sends the same again (the wire count covers both), and the backward repeats both.

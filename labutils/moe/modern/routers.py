@@ -82,9 +82,8 @@ class TopKRouter(BaseGate):
         return idx, w.to(x.dtype), s
 
     def expert_choice_scores(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's part of expert choice: ``x`` ``(T, d)`` -> softmax scores ``(T, E)`` (float32) for every
-        expert to pick its tokens from; stores the logits and, with ``z_coef``, the z-loss (no balance loss, no
-        bias: each expert takes ``C`` tokens)."""
+        """Expert choice's scores: ``x`` ``(T, d)`` -> softmax ``(T, E)`` (float32); stores the logits and, with
+        ``z_coef``, the z-loss (no balance loss, no bias: each expert takes ``C`` tokens)."""
         logits = self.gate(x)                                                # (T, E)
         self.last_logits = logits.detach()
         if self.z_coef:
@@ -92,8 +91,7 @@ class TopKRouter(BaseGate):
         return torch.softmax(logits.float(), -1)
 
     def logit_stats(self) -> dict:
-        """``logit_rms``, ``logit_max`` and ``lse2`` (the z-loss value) of the last forward's logits; zeros before
-        the first."""
+        """``logit_rms``, ``logit_max``, ``lse2`` (the z-loss) of the last forward's logits (zeros before one)."""
         logits = self.last_logits
         if logits is None:
             return dict(logit_rms=0.0, logit_max=0.0, lse2=0.0)
