@@ -51,7 +51,11 @@ __all__ = sorted(_EXPORTS) + ["__version__"]  # noqa: PLE0605 (built from the ta
 def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        # a name that moved out of the package (check_exercise); submodules (`from . import x`) are not names
+        alias = None if name.startswith("_") else importlib.import_module(f"{__name__}._deprecate").forward_name(name)
+        if alias is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return alias
     try:
         value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     except ImportError as exc:  # matplotlib for the plots, DeepSpeed for init_deepspeed: say how to get it

@@ -64,7 +64,12 @@ DEPRECATED = {
     "models.aux_loss": Shim("name", ("moe.gates.collect_aux_loss",), "0.2.0", "1.0.0"),
     # old calls: limit_by_capacity(gate_idx, tot_expert, capacity) is drop_over_capacity's result
     "moe.capacity.limit_by_capacity": Shim("call", ("moe.capacity.drop_over_capacity",), "0.3.0", "1.0.0"),
+    # the book's machinery left the package for the `labbook` package (0.3.0); absolute targets, needs the repo
+    "toys": Shim("module", ("labbook.toys",), "0.3.0", "1.0.0"),
+    "exercises": Shim("module", ("labbook.exercises",), "0.3.0", "1.0.0"),
+    "check_exercise": Shim("name", ("labbook.exercises.check_exercise",), "0.3.0", "1.0.0"),
 }
+BOOK = "labbook"  # a target in this package is absolute: the book's own package, never part of a copy
 
 
 def _version(text: str, what: str) -> tuple:
@@ -126,7 +131,7 @@ def moved_module(old: str, *new: str):
     the table's entry; the versions always come from it. :func:`register` makes one for every moved path of
     the table; ``labutils/entry.py`` is the one shim file (``__getattr__ = moved_module(__name__)``)."""
     entry = DEPRECATED[old.removeprefix(f"{_TOP}.")]
-    targets = [f"{_TOP}.{n}" for n in (new or entry.new)]
+    targets = [_target(n) for n in (new or entry.new)]
 
     def __getattr__(name):
         if name.startswith("__"):
@@ -140,6 +145,21 @@ def moved_module(old: str, *new: str):
         raise AttributeError(f"module {old!r} (moved to {' and '.join(targets)}) has no attribute {name!r}")
 
     return __getattr__
+
+
+def _target(path: str) -> str:
+    """A table path as an importable name: relative to this package, or absolute in the book's package."""
+    return path if path.split(".")[0] == BOOK else f"{_TOP}.{path}"
+
+
+def forward_name(name: str):
+    """The top package's deprecated name ``name`` (a ``"name"`` entry whose target is elsewhere), made with
+    :func:`deprecated` from its target; None when ``name`` is no such entry."""
+    shim = DEPRECATED.get(name)
+    if shim is None or shim.kind != "name":
+        return None
+    module, _, attr = _target(shim.new[0]).rpartition(".")
+    return deprecated(name, getattr(importlib.import_module(module), attr))
 
 
 def register(top: str) -> None:

@@ -10,14 +10,15 @@ import warnings
 import pytest
 
 import labutils
-from labutils._deprecate import DEPRECATED, LabDeprecationWarning, _version, deprecated, lookup
+from labutils._deprecate import DEPRECATED, LabDeprecationWarning, _target, _version, deprecated, lookup
 
 PKG = pathlib.Path(labutils.__file__).parent
 
 
 def _resolve(path: str):
-    """``labutils.<path>``: the longest importable module prefix, then attributes."""
-    parts = f"labutils.{path}".split(".")
+    """``labutils.<path>`` (``labbook.<path>`` for the book's package): the longest importable module prefix, then
+    attributes."""
+    parts = _target(path).split(".")
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
@@ -40,7 +41,7 @@ def test_every_entry_has_versions_and_a_new_home():
 @pytest.mark.parametrize("old", sorted(k for k, s in DEPRECATED.items() if s.kind == "module"))
 def test_moved_module_forwards_with_the_labs_warning(old):
     shim = DEPRECATED[old]
-    new = importlib.import_module(f"labutils.{shim.new[0]}")
+    new = importlib.import_module(_target(shim.new[0]))
     name = next(n for n in sorted(vars(new)) if not n.startswith("_") and not isinstance(vars(new)[n], type(pathlib)))
     with pytest.warns(LabDeprecationWarning, match=rf"labutils\.{old} moved to .*{shim.removed_in}"):
         value = getattr(importlib.import_module(f"labutils.{old}"), name)
