@@ -115,16 +115,16 @@ def local_order(global_expert_count: torch.Tensor, num_expert: int) -> torch.Ten
 
 
 # ---- the exchange (also fastmoe's global_scatter / global_gather: labutils.moe.fastmoe.api) ---------
-def _rows_per_rank(counts: torch.Tensor, world: int) -> list:
-    return counts.long().view(world, -1).sum(1).tolist()
+def _splits(local_expert_count, global_expert_count, group) -> tuple:
+    """``(world, rows to each rank, rows from each rank)`` from the two ``(W*E,)`` counts."""
+    world = dist.get_world_size(group)
+    return world, *(c.long().view(world, -1).sum(1).tolist() for c in (local_expert_count, global_expert_count))
 
 
 def to_experts(x_sorted: torch.Tensor, local_expert_count, global_expert_count, group=None):
     """Rows sorted by GLOBAL expert -> the rows this rank's experts run, ordered (local expert, source rank):
     ``(N, ...) -> (N_recv, ...)``, and the local-order permutation used. Differentiable (all_to_all back)."""
-    world = dist.get_world_size(group)
-    send = _rows_per_rank(local_expert_count, world)                          # rows to each rank
-    recv = _rows_per_rank(global_expert_count, world)                         # rows from each rank
+    world, send, recv = _splits(local_expert_count, global_expert_count, group)
     x_recv = all_to_all(x_sorted, recv, send, group, check=False)             # (N_recv, d) by (src, expert)
     perm = local_order(global_expert_count, local_expert_count.numel() // world).to(x_recv.device)
     return x_recv.index_select(0, perm), perm                                 # (N_recv, d) by expert
@@ -133,11 +133,9 @@ def to_experts(x_sorted: torch.Tensor, local_expert_count, global_expert_count, 
 def from_experts(y_local: torch.Tensor, local_expert_count, global_expert_count, group=None, perm=None):
     """Inverse of :func:`to_experts`: expert outputs back to the ranks, and the order, they came from
     (``perm``: the permutation ``to_experts`` returned; recomputed when not given)."""
-    world = dist.get_world_size(group)
+    world, send, recv = _splits(local_expert_count, global_expert_count, group)
     if perm is None:
         perm = local_order(global_expert_count, local_expert_count.numel() // world).to(y_local.device)
-    send = _rows_per_rank(local_expert_count, world)
-    recv = _rows_per_rank(global_expert_count, world)
     y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
     return all_to_all(y_recv, send, recv, group, check=False)                 # (N, d) in x_sorted's order
 
@@ -164,7 +162,7 @@ def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Te
     fwd_expert_count = global_expert_count.view(world, ne).sum(0)             # (E,) rows per local expert
     run = layer.run_experts if run is None else run
     y_local = run(x_local, fwd_expert_count)                                  # (N_recv, d) by expert
-    _record(layer, _rows_per_rank(local_expert_count, world), _rows_per_rank(global_expert_count, world), x_sorted)
+    _record(layer, *_splits(local_expert_count, global_expert_count, group)[1:], x_sorted)
     return from_experts(y_local, local_expert_count, global_expert_count, group, perm)  # (N, d)
 
 

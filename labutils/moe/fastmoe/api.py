@@ -11,14 +11,10 @@ Same signatures and results as fastmoe (laekov/fastmoe ``fmoe/functions.py``, ``
     limit_by_capacity(topk_idx, num_expert, world_size, capacity) -> (new_lec, new_gec, topk_idx)  # capacity.py
     Slice / AllGather                                                           # slice_group's two steps
 
-A thin face: every step is the core's, adapted to fastmoe's signatures, never a second implementation. Counting
-is ``functions.count_by_gate`` (plus the counts exchange, ``capacity.exchange_counts``); ``MOEScatter`` /
-``MOEGather`` are the core's scatter and gather Functions around ``expert_parallel.to_experts`` /
-``from_experts`` (the all-to-all of chapter 06) when ``world_size > 1``, over the group given to
-:func:`ensure_comm` (default: every rank), so these run on gloo; ``AllGather`` is ``collectives.all_gather``,
-``Slice`` ``collectives.Slice``, ``limit_by_capacity`` ``capacity.limit_by_capacity`` (positional, as fastmoe).
-Where fastmoe's CUDA kernels leave an order open (positions within an expert) the core picks the deterministic
-one: flattened order.
+A thin face: each name adapts one of the core's steps to fastmoe's signature, never a second implementation.
+``world_size > 1`` moves rows with ``expert_parallel.to_experts`` / ``from_experts`` over the group given to
+:func:`ensure_comm` (default: every rank), on gloo too. Positions within an expert, which fastmoe's CUDA kernels
+leave open, are in flattened order.
 """
 from __future__ import annotations
 
