@@ -367,7 +367,7 @@ def test_fmoe_linear_has_fastmoe_layout():
 @pytest.mark.skipif(not torch.cuda.is_available() or not __import__("labutils.optional").optional.available("fmoe"),
                     reason="real fastmoe (fmoe) needs CUDA and its compiled extension; not importable here")
 def test_functional_api_and_mask_match_real_fastmoe():
-    from labutils.moe.fastmoe.compat import compare_api_with_fastmoe
+    from labbook.fastmoe_parity import compare_api_with_fastmoe
 
     report = compare_api_with_fastmoe()
     assert report.ok, report.table()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from labbook.fastmoe_parity import copy_moe_weights, fused_grads
 from labutils.compare import compare_tensors
 from labutils.moe import (
     FMoE,
@@ -21,7 +22,6 @@ from labutils.moe import (
     collect_aux_loss,
     count_by_gate,
 )
-from labutils.moe.fastmoe.compat import copy_moe_weights, fused_grads
 from labutils.moe.reference import (
     reference_count_by_gate,
     reference_moe,
@@ -343,7 +343,7 @@ def test_weight_copy_between_fused_and_per_expert_layouts():
 @pytest.mark.skipif(not available("fmoe") or not torch.cuda.is_available(),
                     reason="real fastmoe (fmoe) needs CUDA and its compiled extension; not importable here")
 def test_matches_real_fastmoe():
-    from labutils.moe.fastmoe.compat import compare_with_fastmoe
+    from labbook.fastmoe_parity import compare_with_fastmoe
     compare_with_fastmoe().assert_ok()
 
 

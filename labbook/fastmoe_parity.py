@@ -70,9 +70,9 @@ def compare_with_fastmoe(num_expert: int = 4, d_model: int = 16, d_hidden: int =
     Returns a :class:`labutils.compare.ParityReport` over the output, the input gradient and every
     parameter gradient (fp32, rtol=atol=1e-5). Needs fastmoe and CUDA.
     """
-    from ...compare import ParityReport, compare_tensors
-    from ...optional import require
-    from ..transformer import FMoETransformerMLP
+    from labutils.compare import ParityReport, compare_tensors
+    from labutils.moe.transformer import FMoETransformerMLP
+    from labutils.optional import require
 
     fmoe = require("fmoe", "the comparison with real fastmoe")
     torch.manual_seed(seed)
@@ -105,10 +105,10 @@ def compare_api_with_fastmoe(num_expert: int = 4, top_k: int = 2, tokens: int = 
     ``FMoETransformerMLP`` (same ids from a constant gate). Returns a :class:`labutils.compare.ParityReport`.
     Needs fastmoe and CUDA.
     """
-    from ...compare import ParityReport, compare_tensors
-    from ...optional import require
-    from ..transformer import FMoETransformerMLP
-    from . import api as ours
+    from labutils.compare import ParityReport, compare_tensors
+    from labutils.moe.fastmoe import api as ours
+    from labutils.moe.transformer import FMoETransformerMLP
+    from labutils.optional import require
 
     require("fmoe", "the comparison with real fastmoe")
     import fmoe
