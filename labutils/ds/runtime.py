@@ -241,7 +241,7 @@ def install_capacity_guard(model: torch.nn.Module) -> list:
     (one int per rank) after each gate and raises :class:`CapacityMismatchError` on every rank instead.
     Returns the hook handles (``h.remove()`` to uninstall). Layers with ``ep_size == 1`` are skipped.
     """
-    import torch.distributed as dist
+    from ..agreement import gather_rows
 
     handles = []
     for index, layer in enumerate(moe_layers(model)):
@@ -251,12 +251,9 @@ def install_capacity_guard(model: torch.nn.Module) -> list:
 
         def check(gate, inputs, output, index=index, moe=moe):
             group = moe.ep_group  # None: MOELayer's all-to-all then runs over the whole world
-            mine = torch.tensor([_capacity_of(output), inputs[0].shape[0]], dtype=torch.int64)
-            everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(everyone, mine, group=group)
-            caps = [int(t[0]) for t in everyone]
+            rows = gather_rows([_capacity_of(output), inputs[0].shape[0]], inputs[0], group)  # (world, 2)
+            caps, tokens = rows[:, 0].tolist(), rows[:, 1].tolist()
             if len(set(caps)) > 1:
-                tokens = [int(t[1]) for t in everyone]
                 raise CapacityMismatchError(
                     f"MoE layer {index}: expert-parallel ranks disagree on the expert capacity {caps} "
                     f"(tokens per rank {tokens}); DeepSpeed's all-to-all would hang (NCCL) or abort (gloo). "
