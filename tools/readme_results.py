@@ -56,9 +56,17 @@ def bench_moe_vs_dense() -> str:
     f = s["final"]
     w, mw = s["moe_vs_dense"], s["moe_vs_wide"]
     finals = ", ".join(f"{n} {f[n][0]:.3f} ± {f[n][1]:.3f}" for n in ("MoE", "dense", "dense-wide"))
-    return (f"{rec['wall_seconds'] / 60:.0f} min (preset {s['preset']}). Final validation loss {finals} "
-            f"nats: MoE vs dense {w.verdict} (95% CI of the gap [{w.ci[0]:.3f}, "
-            f"{w.ci[1]:.3f}]), MoE vs dense-wide {mw.verdict} (p = {mw.p:.2f})")
+    eq = s["equal_time"]["comparison"]
+    out = (f"{rec['wall_seconds'] / 60:.0f} min wall-clock (preset {s['preset']}). Final validation loss {finals} "
+           f"nats: MoE vs dense {w.verdict} (95% CI of the gap [{w.ci[0]:.3f}, "
+           f"{w.ci[1]:.3f}]), MoE vs dense-wide {mw.verdict} (p = {mw.p:.2f})")
+    if eq is not None:
+        out += f"; at equal CPU seconds MoE is {eq.verdict} dense (p = {eq.p:.2g})"
+    if "data_limited" in rec:
+        dl = lm_study.summarize(rec["data_limited"])
+        out += (f"; data-limited control ({rec['data_limited']['config']['train_chars']:,} characters): MoE vs dense "
+                f"{dl['moe_vs_dense'].verdict}, dense-wide vs dense {dl['wide_vs_dense'].verdict}")
+    return out
 
 
 def bench_launch() -> str:
