@@ -222,9 +222,24 @@ def test_book_model_counts_on_meta_device():
 
 def test_deepspeed_ffn_in_a_block_records_aux_and_counts():
     pytest.importorskip("deepspeed", reason="DeepSpeed is optional")
+    import torch.distributed as dist
+
     from labutils.ds import init_deepspeed, quiet
 
+    had_group = dist.is_initialized()
     init_deepspeed()
+    try:
+        _deepspeed_ffn_checks(quiet)
+    finally:
+        if not had_group:  # leave the pytest process as found: later tests expect no process group
+            import deepspeed.comm.comm as ds_comm
+
+            dist.destroy_process_group()
+            ds_comm.cdb = None
+            assert not dist.is_initialized()
+
+
+def _deepspeed_ffn_checks(quiet):
     torch.manual_seed(0)
     with quiet():
         model = SeqRegressor(16, 2, lambda: make_ffn("deepspeed", 16, 32, num_expert=4, top_k=2), n_layers=2)
