@@ -34,7 +34,7 @@ lab: venv  ## JupyterLab on notebooks/ with the lab's kernel
 
 # --- for authors --------------------------------------------------------------------------------
 lint: venv  ## ruff, pyright (basic, public API) and notebook hygiene
-	$(BIN)/ruff check labutils tests benchmarks tools
+	$(BIN)/ruff check labutils labbook tests benchmarks tools
 	$(BIN)/basedpyright --level error
 	$(BIN)/python tools/nbhygiene.py
 

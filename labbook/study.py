@@ -24,6 +24,8 @@ class StudyPreset:
     a chapter's two dicts, and ``PRESETS[labutils.presets.preset_name()]`` picks the same one."""
 
     def keys(self) -> list:
+        if not dataclasses.is_dataclass(self):
+            raise TypeError(f"{type(self).__name__} must be a dataclass (a StudyPreset subclass is one)")
         return [f.name for f in dataclasses.fields(self) if f.name != "name"]
 
     def __getitem__(self, key: str):

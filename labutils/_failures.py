@@ -9,6 +9,7 @@ import os
 import pickle
 import signal
 import time
+from typing import Any, Callable
 
 from ._watch import read_calls
 
@@ -52,6 +53,20 @@ class Reports:
     """The reports of :class:`_run.Run`, which inherits them; they read its state (``world_size``, ``timeout``,
     ``debug``, ``tmpdir``, ``pids``, ``exits``, ``stderr_tail``, ``proc``, ``calls``, ``_watched``) and call its
     ``drain`` and ``failed_ranks``."""
+
+    # what the reports read, all set by Run (declared here so each report type-checks on its own)
+    world_size: int
+    timeout: Any
+    debug: bool
+    tmpdir: Any
+    pids: dict
+    exits: dict
+    stderr_tail: dict
+    proc: Any
+    calls: Any
+    _watched: tuple | None
+    drain: Callable[[float], None]
+    failed_ranks: Callable[[], list]
 
     def mismatch(self) -> WorkerError | None:
         """A WorkerError when every live rank has sat ``MISMATCH_S`` seconds in the same call of a collective

@@ -162,7 +162,8 @@ def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Te
     fwd_expert_count = global_expert_count.view(world, ne).sum(0)             # (E,) rows per local expert
     run = layer.run_experts if run is None else run
     y_local = run(x_local, fwd_expert_count)                                  # (N_recv, d) by expert
-    _record(layer, *_splits(local_expert_count, global_expert_count, group)[1:], x_sorted)
+    _, send, recv = _splits(local_expert_count, global_expert_count, group)
+    _record(layer, send, recv, x_sorted)
     return from_experts(y_local, local_expert_count, global_expert_count, group, perm)  # (N, d)
 
 
