@@ -88,6 +88,7 @@ REACH_VISIBLE = (
     ([1, 2, 3], [3.0, 2.5, 2.6], 1.0),                                # never: None
     ([125, 250, 375], [2.1, 1.9, 1.95], 1.92),                        # not monotone; the FIRST crossing
     ([100, 200, 300], [3.0, 2.0, 1.0], 2.0),                          # exactly an evaluated loss: 200
+    ([1, 2, 3], [3.0, 2.0, 2.5], 2.0),                                # touches the target, rises again: 2
 )
 
 
@@ -111,7 +112,7 @@ def _reach_hidden(gen: torch.Generator, i: int) -> tuple:
 
 def check_my_steps_to_reach(fn, seed: int | None = None) -> None:
     """``fn(steps, losses, target)`` returns the first step at which the curve reaches ``target`` (at or below),
-    linear between evaluations, the first evaluation itself when it is already there, None when never: 5 visible
+    linear between evaluations, the first evaluation itself when it is already there, None when never: 6 visible
     cases and 12 hidden ones (uneven spacing, curves that rise again, targets equal to an evaluated loss or below
     every one). Calls into labutils (``lm_study.steps_to_reach``, ``loss_at``, ...), DeepSpeed or fastmoe are
     refused."""
