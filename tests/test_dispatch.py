@@ -450,3 +450,13 @@ def test_run_conditions_flag_overload_and_too_few_rounds(monkeypatch):
     assert "OVERLOADED" in describe_conditions(c) and "TOO FEW ROUNDS" in describe_conditions(c)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert run_conditions(rounds=5, min_rounds=5)["flags"] == []
+
+
+def test_iqr_verdict_judges_the_whole_iqr_against_the_target():
+    from labutils.perf.verdicts import iqr_verdict
+
+    assert iqr_verdict(1.44, 1.54, 1.20) == "NOT met"
+    assert iqr_verdict(1.05, 1.20, 1.20) == "met"
+    assert iqr_verdict(1.10, 1.30, 1.20) == "inconclusive"   # the target inside the IQR: no verdict
+    with pytest.raises(ValueError, match="q1 <= q3"):
+        iqr_verdict(1.5, 1.4, 1.2)

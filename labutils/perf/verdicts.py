@@ -8,7 +8,8 @@ by its median and IQR, so a drift of the machine between rounds hits both sides 
   :func:`pooled_speedup` (rounds of several runs), :func:`noise_band` and :func:`classify` (ahead / tie /
   behind against the run's own repeat spread), :func:`find_row` and :func:`format_table`.
 * A live run against its record (:func:`compare_ratios`, a Welch test of the rounds' log ratios) and a target
-  over several recordings (:func:`target_verdict`), as chapter 08 states them.
+  over several recordings (:func:`target_verdict`), as chapter 08 states them; one recording's paired quartiles
+  against an upper target (:func:`iqr_verdict`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 from .timing import quartiles
 
 __all__ = ["round_ratios", "paired_speedup", "pooled_speedup", "noise_band", "classify", "find_row", "format_table",
-           "compare_ratios", "target_verdict"]
+           "compare_ratios", "target_verdict", "iqr_verdict"]
 
 
 # ---- the layer speed table ------------------------------------------------------------------------------------
@@ -129,3 +130,11 @@ def target_verdict(recordings: list, target: float, *, alpha: float = 0.05) -> d
     if all(c == "behind" for c in calls):
         return {"verdict": "NOT met", "why": f"behind {target} in all {len(recs)} recordings", "calls": calls}
     return {"verdict": "inconclusive", "why": "the recordings disagree or tie: " + ", ".join(calls), "calls": calls}
+
+
+def iqr_verdict(q1: float, q3: float, target: float) -> str:
+    """A paired ratio's quartiles against an upper ``target``: ``"met"`` when the whole IQR is at or below it,
+    ``"NOT met"`` when the whole IQR is above it, ``"inconclusive"`` when the target lies inside the IQR."""
+    if not q1 <= q3:
+        raise ValueError(f"iqr_verdict needs q1 <= q3, got q1={q1!r}, q3={q3!r}")
+    return "met" if q3 <= target else "NOT met" if q1 > target else "inconclusive"
