@@ -189,10 +189,13 @@ def optimizer_times(model, step, lr: float, reps: int) -> dict:
 ADAM = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-def setup(cfg, name: str, corpus, seed: int = 0, adam: str = "default"):
+def setup(cfg, name: str, corpus, seed: int = 0, adam: str = "study"):
     variant = lm_study.variants(cfg)[name]
     model = lm_study.build(cfg, variant, corpus.vocab_size, seed)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, **ADAM[adam])  # default: what labutils.train builds
+    if adam == "study":
+        opt = lm_study.optimizer(cfg, model)                          # what the study trains with
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, **ADAM[adam])
     data = CharBatches(lm_study.training_text(cfg, corpus), cfg.batch, cfg.block, seed=seed)
 
     def step():
@@ -208,14 +211,14 @@ def main() -> None:
     ap.add_argument("--out", default="train_step.json", help="file name under benchmarks/results/")
     ap.add_argument("--labutils", help="=DIR: the labutils package of another tree (see the top of this file)")
     ap.add_argument("--steps-only", action="store_true", help="whole steps only: print, record nothing")
-    ap.add_argument("--adam", choices=sorted(ADAM), default="default",
-                    help="with --steps-only: both models' Adam (labutils.train builds the default)")
+    ap.add_argument("--adam", choices=sorted(ADAM) + ["study"], default="study",
+                    help="both models' Adam: the study's (lm_study.optimizer: fused) or one of torch's variants")
     args = ap.parse_args()
     cfg = lm_study.PRESETS["full"]
     torch.set_num_threads(cfg.threads)
     load_before = os.getloadavg()
     corpus = lm_study.corpus_for(cfg.val_one_in)
-    runs = {name: setup(cfg, name, corpus, adam=args.adam if args.steps_only else "default")
+    runs = {name: setup(cfg, name, corpus, adam=args.adam)
             for name in ("dense", "MoE")}
     for step in (run[2] for run in runs.values()):
         for _ in range(10):  # warm-up: allocator, Adam state, first-call costs

@@ -555,3 +555,23 @@ def test_fastmoe_test_swipe_once(world, n_expert):
         for w in range(world):
             room[w] -= received[w]
             assert room[w] >= 0 and results[w][step][2] == room[w], (step, w)
+
+
+def test_router_logits_is_x_at_w_up_to_rounding():
+    """``router_logits`` (NoisyGate's matmul in the GEMM's fast layout) is ``x @ w``: values and both gradients
+    within float32 rounding; a different weight is caught (negative control)."""
+    from labutils.moe.gates import router_logits
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 64, generator=gen, requires_grad=True)        # (T, d)
+    w = torch.randn(64, 8, generator=gen, requires_grad=True)           # (d, E), fastmoe's layout
+    g = torch.randn(2048, 8, generator=gen)                             # (T, E)
+    mine = router_logits(x, w)
+    (gx, gw) = torch.autograd.grad(mine, (x, w), g)
+    ref = x @ w
+    (rx, rw) = torch.autograd.grad(ref, (x, w), g)
+    for a, b in ((mine, ref), (gx, rx), (gw, rw)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    assert mine.shape == (2048, 8) and mine.is_contiguous()
+    w2 = w.detach().clone()
+    w2[0, 0] += 1e-2
+    assert not torch.allclose(router_logits(x, w2), ref, rtol=1e-5, atol=1e-4)

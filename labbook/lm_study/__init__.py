@@ -36,6 +36,7 @@ from labbook.lm_study.config import (  # noqa: F401
     data_limited,
     epochs,
     measured_train_flops,
+    optimizer,
     train_flops_per_token,
     variants,
 )

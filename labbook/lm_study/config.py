@@ -40,6 +40,7 @@ class StudyConfig(StudyPreset):
     threads: int = 1            # torch threads per run
     train_chars: int = 0        # 0: the whole training split; n: its first n characters (the data-limited control)
     control_chars: int = 1_000_000  # training characters of the data-limited control (:func:`data_limited`)
+    fused_adam: bool = True     # Adam's update as one kernel over all parameter tensors (:func:`optimizer`)
     name: str = "custom"
 
     def __post_init__(self):
@@ -112,6 +113,14 @@ def variants(cfg: StudyConfig) -> dict:
 def build(cfg: StudyConfig, variant: Variant, vocab_size: int, seed: int) -> CharLM:
     """One model of the study, initialised from ``seed`` (:func:`labbook.study.build_lm`, as chapter 09's)."""
     return build_lm(cfg, lambda: variant.ffn(cfg.d_model), vocab_size, seed)
+
+
+def optimizer(cfg: StudyConfig, model: torch.nn.Module) -> torch.optim.Adam:
+    """The study's optimizer: Adam at ``cfg.lr``. ``cfg.fused_adam``: torch's fused kernel, one pass over every
+    parameter tensor instead of a Python loop of ~10 small ops per tensor (the MoE has 4 tensors per expert: 90
+    in all); the same update up to float rounding (``tests/test_lm_study.py`` checks it). On the ``full``
+    models its step took 0.41 ms against 2.36 ms for the default loop (``benchmarks/train_step.py``)."""
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
 
 
 def train_flops_per_token(cfg: StudyConfig, variant: Variant, vocab_size: int) -> int:

@@ -10,7 +10,16 @@ from dataclasses import asdict
 
 import torch
 
-from labbook.lm_study.config import LOAD_WINDOWS, MAIN, StudyConfig, Variant, build, train_flops_per_token, variants
+from labbook.lm_study.config import (
+    LOAD_WINDOWS,
+    MAIN,
+    StudyConfig,
+    Variant,
+    build,
+    optimizer,
+    train_flops_per_token,
+    variants,
+)
 from labbook.study import run_jobs
 from labutils.data import CharBatches, Corpus, stdlib_file_corpus
 from labutils.train import lm_cross_entropy, train
@@ -99,8 +108,9 @@ def _run_one(cfg: StudyConfig, name: str, seed: int) -> dict:
             clock.eval_end()
 
     result = train(model, CharBatches(training_text(cfg, corpus), cfg.batch, cfg.block, seed=seed),
-                   steps=cfg.steps, lr=cfg.lr, aux_coef=variant.aux_coef, loss_fn=lm_cross_entropy,
-                   eval_every=cfg.eval_every, eval_fn=evaluate, progress=False, record_load=bool(variant.experts))
+                   steps=cfg.steps, optimizer=optimizer(cfg, model), aux_coef=variant.aux_coef,
+                   loss_fn=lm_cross_entropy, eval_every=cfg.eval_every, eval_fn=evaluate, progress=False,
+                   record_load=bool(variant.experts))
     total = sum(p.numel() for p in model.parameters())
     window = max(1, cfg.steps // LOAD_WINDOWS)
     n = cfg.steps // window * window

@@ -37,6 +37,17 @@ def check_gate_input(gate: nn.Module, x, d_model: int, dtype: torch.dtype | None
                         f"(e.g. gate.to({dtype}) or x.to({dtype}))")
 
 
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for a router weight stored as fastmoe stores it, ``w`` of shape ``(d_model, E)``: ``(T, E)``.
+
+    Computed as ``F.linear(x, w.t().contiguous())`` (a copy of the ``E x d`` weight per call): the same product,
+    equal up to float rounding, in the layout the CPU's GEMM runs fastest for a narrow ``E``, forward and
+    backward. On 2,048 x 64 tokens to 8 experts, 1 thread, forward + backward took 145 us against 247 us for
+    ``x @ w`` (chapter 08 §10 shows where it matters: the router is a large part of a small MoE's step).
+    """
+    return F.linear(x, w.t().contiguous())                                  # (T, E)
+
+
 def check_finite_logits(gate: nn.Module, logits: torch.Tensor) -> None:
     """Raise naming the tokens whose gate logits are NaN/inf: one such token would make the whole batch's
     balancing loss NaN (and its routing meaningless)."""
@@ -148,10 +159,10 @@ class NoisyGate(BaseGate):
         """The router: ``(clean, logits, stddev)``, each ``(T, E)``; ``logits`` is ``clean`` plus noise in
         training (``stddev`` is ``None`` in eval)."""
         check_gate_input(self, x, self.d_model, self.w_gate.dtype)
-        clean = x @ self.w_gate                                             # (T, E)
+        clean = router_logits(x, self.w_gate)                               # (T, E)
         check_finite_logits(self, clean)
         if self.training:
-            stddev = F.softplus(x @ self.w_noise) + self.noise_epsilon      # (T, E)
+            stddev = F.softplus(router_logits(x, self.w_noise)) + self.noise_epsilon  # (T, E)
             return clean, clean + torch.randn_like(clean) * stddev, stddev
         return clean, clean, None  # fastmoe multiplies the noise by 0 (and still draws it); the values are the same
 
