@@ -131,6 +131,13 @@ class Comparison:
     alpha: float
     min_n: int = 3
 
+    def relation(self) -> str:
+        """The verdict as a phrase about the second arm: "ahead of dense", "behind dense" or "inconclusive against
+        dense" (for a sentence such as "at equal CPU time MoE is ..." that must read right whatever the verdict)."""
+        b = self.names[1]
+        return {"ahead": f"ahead of {b}", "behind": f"behind {b}", "inconclusive": f"inconclusive against {b}"}[
+            self.verdict]
+
     def sentence(self, unit: str = "", preset: str | None = None, digits: int = 3) -> str:
         """The verdict as a sentence generated from the numbers, e.g. "MoE is ahead of dense: 1.397 vs 1.479 nats
         (difference -0.082, 95% CI [-0.117, -0.047], Welch t = -7.0, p = 0.004; 3 vs 3 seeds; preset full)"."""

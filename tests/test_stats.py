@@ -58,6 +58,9 @@ def test_inconclusive_cases():
     assert math.isnan(one.p) and "nan" not in one.sentence() and "fewer than 3 seeds" in one.sentence()
     behind = stats.welch(DENSE, MOE, names=("dense", "MoE"))
     assert behind.verdict == "behind"
+    # relation(): a phrase that reads right after "A is" whatever the verdict
+    assert (stats.welch(MOE, DENSE, names=("MoE", "dense")).relation(), behind.relation(), tie.relation()) == (
+        "ahead of dense", "behind MoE", "inconclusive against dense-wide")
     assert stats.welch(MOE, DENSE, lower_is_better=False).verdict == "behind"  # e.g. tokens/s: higher is better
 
 

@@ -345,3 +345,26 @@ def test_benchmark_phases_are_timed_inside_real_steps_and_change_nothing():
     model_c, _, step_c, _, _ = fresh()
     step_c()
     assert not all(torch.equal(a, c) for a, c in zip(model_a.parameters(), model_c.parameters()))
+
+
+def test_every_cut_tried_is_the_same_computation_and_a_wrong_one_is_refused():
+    """``benchmarks/step_cuts.py`` times only cuts that compute what the plain form does (outputs and gradients
+    within 1e-3), its gate step is NoisyGate's own forward, and a softmax over the wrong dimension is refused
+    before any timing (negative control)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import step_cuts
+    finally:
+        sys.path.pop(0)
+    table = step_cuts.cuts()
+    assert len(table) == 5 and sum(adopted for *_, adopted in table.values()) == 1
+    for name, (plain, cut, leaves, _) in table.items():
+        assert step_cuts.same_computation(name, plain, cut, leaves) <= 1e-3
+    gate = NoisyGate(step_cuts.D, step_cuts.E, top_k=step_cuts.K)
+    x = torch.randn(256, step_cuts.D)
+    torch.manual_seed(1)
+    _, score = gate(x)                                                  # the core's forward, same noise seed
+    assert torch.equal(step_cuts.gate_step(gate, x), score.square().sum() + gate.get_loss().sum())
+    top = torch.randn(64, 2, requires_grad=True)
+    with pytest.raises(ValueError, match="wrong dim: the cut differs from the plain form"):
+        step_cuts.same_computation("wrong dim", lambda: torch.softmax(top, -1), lambda: torch.softmax(top, 0), [top])

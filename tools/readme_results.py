@@ -43,8 +43,7 @@ def ch05() -> str:
     if sp["ci"] is not None:
         out += f"; dense needs {sp['mean']:.2f}× the steps (bootstrap 95% [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}])"
     if eq is not None:
-        out += f"; at equal CPU time MoE is {eq.verdict}" + (f" dense (p = {eq.p:.3f})" if eq.verdict != "inconclusive"
-                                                            else "")
+        out += f"; at equal CPU time MoE is {eq.relation()} (p = {eq.p:.3f})"
     return out
 
 
@@ -61,7 +60,7 @@ def bench_moe_vs_dense() -> str:
            f"nats: MoE vs dense {w.verdict} (95% CI of the gap [{w.ci[0]:.3f}, "
            f"{w.ci[1]:.3f}]), MoE vs dense-wide {mw.verdict} (p = {mw.p:.2f})")
     if eq is not None:
-        out += f"; at equal CPU seconds MoE is {eq.verdict} dense (p = {eq.p:.2g})"
+        out += f"; at equal CPU seconds MoE is {eq.relation()} (p = {eq.p:.2g})"
     if "data_limited" in rec:
         dl = lm_study.summarize(rec["data_limited"])
         out += (f"; data-limited control ({rec['data_limited']['config']['train_chars']:,} characters): MoE vs dense "
@@ -128,6 +127,24 @@ def bench_train_step() -> str:
             + ("met" if mem <= 1.3 else "NOT met"))
 
 
+def step_cut_lines(record: dict) -> list:
+    """One phrase per cut of ``benchmarks/step_cuts.py``'s record: its cut/plain ratio and whether it is adopted
+    (chapter 08 §10 prints the same phrases)."""
+    out = []
+    for name, res in record["cuts"].items():
+        r = res["cut_over_plain"]
+        out.append(f"{name}: {r['median']:.2f}x [IQR {r['q1']:.2f}-{r['q3']:.2f}], "
+                   + ("adopted" if res["adopted"] else "not adopted"))
+    return out
+
+
+def bench_step_cuts() -> str:
+    r = _load("step_cuts.json")
+    return (f"one MoE layer of chapter 05's full configuration, forward + backward (a gate cut timed on the whole "
+            f"gate, the experts' on the expert block), cut / plain form over {r['config']['rounds']} paired "
+            f"rounds: " + "; ".join(step_cut_lines(r)))
+
+
 def bench_matmul() -> str:
     r = _load("matmul.json")
     sq = {row["n"]: row["gflops"] for row in r["square"]}
@@ -180,6 +197,7 @@ GENERATORS = {"coursework-copies": coursework_copies, "ch05": ch05, "bench-moe-v
               "bench-launch": bench_launch,
               "bench-comm": bench_comm, "bench-full-scale": bench_full_scale,
               "bench-token-exchange": bench_token_exchange, "bench-train-step": bench_train_step,
+              "bench-step-cuts": bench_step_cuts,
               "bench-matmul": bench_matmul, "ch09": ch09, "bench-modern-moe": bench_modern_moe}
 
 
