@@ -23,8 +23,9 @@ How it is measured (say it with the numbers):
   modules in both models), so it is a difference of medians, not a direct measurement.
 * Peak memory of one step (``labutils.perf.timing.peak_memory``: the CPU allocator's events under the profiler),
   above what was allocated when the step began (parameters and Adam's state already exist).
-* The optimizer is also timed as ``Adam(foreach=True)`` and ``Adam(fused=True)`` on the same gradients: what
-  ``labutils.train`` could save by treating the 90 parameter tensors as groups (it builds the default Adam).
+* Both models step with the study's optimizer (``lm_study.optimizer``: fused Adam; ``--adam`` picks another).
+  Adam's step is also timed alone as torch's default loop, ``foreach=True`` and ``fused=True`` on the same
+  gradients: what treating the MoE's 90 parameter tensors as one group saves.
 """
 from __future__ import annotations
 

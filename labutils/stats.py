@@ -144,8 +144,7 @@ class Comparison:
         a, b = self.names
         u = f" {unit}" if unit else ""
         f = f"{{:.{digits}f}}"
-        verb = {"ahead": f"is ahead of {b}", "behind": f"is behind {b}",
-                "inconclusive": f"vs {b}: inconclusive"}[self.verdict]
+        verb = f"vs {b}: inconclusive" if self.verdict == "inconclusive" else f"is {self.relation()}"
         why = ""
         if self.verdict == "inconclusive":
             why = (f" (fewer than {self.min_n} seeds in an arm)" if min(self.n_a, self.n_b) < self.min_n

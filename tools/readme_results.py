@@ -127,22 +127,14 @@ def bench_train_step() -> str:
             + ("met" if mem <= 1.3 else "NOT met"))
 
 
-def step_cut_lines(record: dict) -> list:
-    """One phrase per cut of ``benchmarks/step_cuts.py``'s record: its cut/plain ratio and whether it is adopted
-    (chapter 08 §10 prints the same phrases)."""
-    out = []
-    for name, res in record["cuts"].items():
-        r = res["cut_over_plain"]
-        out.append(f"{name}: {r['median']:.2f}x [IQR {r['q1']:.2f}-{r['q3']:.2f}], "
-                   + ("adopted" if res["adopted"] else "not adopted"))
-    return out
-
-
 def bench_step_cuts() -> str:
     r = _load("step_cuts.json")
+    cuts = [f"{name}: {c['cut_over_plain']['median']:.2f}x [IQR {c['cut_over_plain']['q1']:.2f}-"
+            f"{c['cut_over_plain']['q3']:.2f}], " + ("adopted" if c["adopted"] else "not adopted")
+            for name, c in r["cuts"].items()]
     return (f"one MoE layer of chapter 05's full configuration, forward + backward (a gate cut timed on the whole "
             f"gate, the experts' on the expert block), cut / plain form over {r['config']['rounds']} paired "
-            f"rounds: " + "; ".join(step_cut_lines(r)))
+            f"rounds: " + "; ".join(cuts))
 
 
 def bench_matmul() -> str:

@@ -118,8 +118,8 @@ def build(cfg: StudyConfig, variant: Variant, vocab_size: int, seed: int) -> Cha
 def optimizer(cfg: StudyConfig, model: torch.nn.Module) -> torch.optim.Adam:
     """The study's optimizer: Adam at ``cfg.lr``. ``cfg.fused_adam``: torch's fused kernel, one pass over every
     parameter tensor instead of a Python loop of ~10 small ops per tensor (the MoE has 4 tensors per expert: 90
-    in all); the same update up to float rounding (``tests/test_lm_study.py`` checks it). On the ``full``
-    models its step took 0.41 ms against 2.36 ms for the default loop (``benchmarks/train_step.py``)."""
+    in all); the same update up to float rounding (``tests/test_lm_study.py`` checks it). ``benchmarks/train_step.py``
+    times both on the ``full`` models (chapter 08 §10 prints them)."""
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
 
 
