@@ -575,3 +575,7 @@ def test_router_logits_is_x_at_w_up_to_rounding():
     w2 = w.detach().clone()
     w2[0, 0] += 1e-2
     assert not torch.allclose(router_logits(x, w2), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"w must be \(d_model, E\).*x of shape \(2048, 64\) and w of shape \(8, 64\)"):
+        router_logits(x, w.detach().t())                                  # nn.Linear's (E, d) layout
+    with pytest.raises(TypeError, match="two tensors, got Tensor and list"):
+        router_logits(x, [[0.0] * 8] * 64)

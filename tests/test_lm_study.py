@@ -298,4 +298,6 @@ def test_the_study_optimizer_is_adam_fused_and_updates_as_the_default_loop_does(
     diff = (fused - loop).abs()
     assert diff.max() < cfg.lr and (diff > 1e-5).float().mean() < 0.01
     other = trained(dataclasses.replace(cfg, lr=cfg.lr * 1.5))[1]
+    with pytest.raises(TypeError, match=r"StudyConfig\(fused_adam=...\): must be True or False, got 'yes'"):
+        dataclasses.replace(cfg, fused_adam="yes")
     assert ((other - loop).abs() > 1e-5).float().mean() > 0.5            # a real change moves most of them

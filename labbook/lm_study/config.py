@@ -50,6 +50,8 @@ class StudyConfig(StudyPreset):
                 raise ValueError(f"StudyConfig({what}=...): must be an int >= {low}, got {value!r} (an MoE routes "
                                  "each token to top_k of num_expert >= 2 experts; the dense baselines are built "
                                  "from d_model)")
+        if not isinstance(self.fused_adam, bool):
+            raise TypeError(f"StudyConfig(fused_adam=...): must be True or False, got {self.fused_adam!r}")
         if self.top_k > self.num_expert:
             raise ValueError(f"StudyConfig(top_k=...): must be between 1 and num_expert={self.num_expert}, got "
                              f"{self.top_k!r}")

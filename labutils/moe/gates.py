@@ -45,6 +45,12 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     backward. ``benchmarks/step_cuts.py`` times it against ``x @ w`` inside the whole gate (chapter 08 §10: the
     router is a large part of a small MoE's step).
     """
+    if not (torch.is_tensor(x) and torch.is_tensor(w)):
+        raise TypeError(f"router_logits(x, w) takes two tensors, got {type(x).__name__} and {type(w).__name__}")
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"router_logits: w must be (d_model, E) with d_model = x.shape[-1]; got x of shape "
+                         f"{tuple(x.shape)} and w of shape {tuple(w.shape)} (an (E, d_model) weight, as "
+                         "nn.Linear stores it, is F.linear(x, w) instead)")
     return F.linear(x, w.t().contiguous())                                  # (T, E)
 
 
