@@ -1,4 +1,5 @@
-"""Every chapter's exercise checkers, one module per chapter (``ch01.check_my_moe_forward(fn)``), built on
-:func:`labbook.exercises.check_exercise`: hidden cases, a guard against calling the book's own code, DeepSpeed or
-fastmoe, references independent of the function under test. ``tests/test_exercise_cheats_chNN.py`` proves each
-checker fails the shortcuts a student could take."""
+"""Every chapter's exercise cases, one module per chapter, for the grader (:mod:`labbook.grader`): ``CASES`` maps an
+exercise's name to a factory of its :class:`labbook.grader.answers.Cases` (visible cases, the hidden-case generator,
+a reference independent of the function under test, the tolerance). Only the grading parent imports these modules:
+the sandbox running a solution never holds a reference or a hidden case. ``tests/test_grader_chNN.py`` proves each
+exercise fails the shortcuts a student could take."""

@@ -1,11 +1,9 @@
-"""Chapter 01's exercise checkers: a top-k MoE forward from plain tensors, the Switch balancing loss,
-``count_by_gate``, a top-k gate on logits, and capacity dropping. Serves notebooks/01_fastmoe_core.ipynb;
-red-teamed by tests/test_exercise_cheats_ch01.py.
+"""Chapter 01's exercise cases for the grader (:mod:`labbook.grader`): a top-k MoE forward from plain tensors, the
+Switch balancing loss, ``count_by_gate``, a top-k gate on logits, and capacity dropping. Serves
+notebooks/01_fastmoe_core.ipynb; red-teamed by tests/test_grader_ch01.py.
 
-Every reference here is a brute-force loop over tokens written for the checker, not the lab's ``labutils.moe``
-code the exercise re-implements; the student's function runs under :class:`labbook.guard.Guard`, so any call
-into labutils, DeepSpeed or fastmoe (``FMoE``, ``_fmoe_general_global_forward``, ``balance_loss``,
-``NaiveGate.top_k_logits``, ``position_in_expert``, ...) fails the case.
+Every reference here is a brute-force loop over tokens written for the grader, not the lab's ``labutils.moe`` code
+the exercise re-implements; it runs in the grading parent only.
 """
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import math
 
 import torch
 
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 # --- brute-force references ---------------------------------------------------------------------------------
 
@@ -123,12 +121,6 @@ def _moe_hidden(gen, i):
     return moe_case(gen, T, d, h, E, k)
 
 
-def check_my_moe_forward(fn, seed: int | None = None) -> None:
-    """``fn(x, w_gate, b_gate, W1, b1, W2, b2, k)`` -> ``(T, d)``: the top-k MoE layer of §0 (softmax over the k
-    chosen logits, GELU experts). 3 visible cases, 8 hidden ones of random shapes and k."""
-    check_exercise("my_moe_forward", fn, moe_forward_reference, *moe_visible(), hidden=_moe_hidden, seed=seed,
-                   rtol=1e-4, atol=1e-5)
-
 
 def switch_visible():
     gen = torch.Generator().manual_seed(8)
@@ -140,11 +132,6 @@ def _switch_hidden(gen, i):
     T, E = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(2, 17, (1,), generator=gen))
     return (torch.randn(T, E, generator=gen) * float(torch.rand(1, generator=gen) * 4 + 0.1),)
 
-
-def check_my_switch_loss(fn, seed: int | None = None) -> None:
-    """``fn(logits (T, E))`` -> the Switch loss ``E * sum_e f_e * P_e`` (§0's definition, before any dropping)."""
-    check_exercise("my_switch_loss", fn, switch_loss_reference, *switch_visible(), hidden=_switch_hidden, seed=seed,
-                   rtol=1e-5, atol=1e-6)
 
 
 def count_visible():
@@ -159,10 +146,6 @@ def _count_hidden(gen, i):
     return torch.randint(-1, E, (T, k), generator=gen), E
 
 
-def check_count_by_gate(fn, seed: int | None = None) -> None:
-    """``fn(gate_idx (T, k), num_expert)`` -> ``(pos, counts)``, both int64, compared exactly."""
-    check_exercise("count_by_gate", fn, count_by_gate_reference, *count_visible(), hidden=_count_hidden, seed=seed)
-
 
 def topk_visible():
     gen = torch.Generator().manual_seed(5)
@@ -175,11 +158,6 @@ def _topk_hidden(gen, i):
     T, k = int(torch.randint(1, 30, (1,), generator=gen)), int(torch.randint(1, min(E, 4) + 1, (1,), generator=gen))
     return torch.randn(T, E, generator=gen) * 2, k
 
-
-def check_topk_gate(fn, seed: int | None = None) -> None:
-    """``fn(logits (T, E), k)`` -> ``(idx (T, k) int64 best first, score (T, k) softmax over the k)``."""
-    check_exercise("top-k gate", fn, topk_gate_reference, *topk_visible(), hidden=_topk_hidden, seed=seed,
-                   rtol=1e-5, atol=1e-6)
 
 
 def drop_visible():
@@ -195,7 +173,10 @@ def _drop_hidden(gen, i):
     return torch.randint(-1, E, (T, k), generator=gen), E, int(torch.randint(0, 8, (1,), generator=gen))
 
 
-def check_drop_over_capacity(fn, seed: int | None = None) -> None:
-    """``fn(gate_idx (T, k), num_expert, capacity)`` -> ``(T, k)`` int64 with the choices over capacity set to -1
-    (first choices in token order first, then second choices), compared exactly."""
-    check_exercise("drop_over_capacity", fn, drop_reference, *drop_visible(), hidden=_drop_hidden, seed=seed)
+CASES = {
+    "my_moe_forward": lambda: Cases(moe_forward_reference, moe_visible(), _moe_hidden, rtol=1e-4, atol=1e-5),
+    "my_switch_loss": lambda: Cases(switch_loss_reference, switch_visible(), _switch_hidden),
+    "my_count_by_gate": lambda: Cases(count_by_gate_reference, count_visible(), _count_hidden),
+    "my_topk_gate": lambda: Cases(topk_gate_reference, topk_visible(), _topk_hidden),
+    "my_drop_over_capacity": lambda: Cases(drop_reference, drop_visible(), _drop_hidden),
+}

@@ -1,13 +1,11 @@
-"""Chapter 02's exercise checkers: DeepSpeed's expert capacity, the top-1 ``l_aux``, and the ``[E, C, d]`` dispatch
-buffer. Serves notebooks/02_deepspeed_moe.ipynb (chapter 04's capacity exercise reuses the capacity cases);
-red-teamed by tests/test_exercise_cheats_ch02.py.
+"""Chapter 02's exercise cases for the grader (:mod:`labbook.grader`): DeepSpeed's expert capacity, the top-1
+``l_aux``, and the ``[E, C, d]`` dispatch buffer. Serves notebooks/02_deepspeed_moe.ipynb (chapters 04 and 06 reuse
+the capacity cases); red-teamed by tests/test_grader_ch02.py.
 
-Every reference is DeepSpeed 0.19.8's own code, called by the checker outside the guard: ``sharded_moe._capacity``
-(the function every ``TopKGate`` calls), ``sharded_moe.top1gating``, and the buffer a real ``deepspeed.moe.layer.MoE``
-hands its experts (recorded by a forward pre-hook). Never the lab's ``labutils.ds.gating`` re-derivation, which the
-exercises re-implement; the student's function runs under :class:`labbook.guard.Guard`, so any call into
-labutils or DeepSpeed (``ds_capacity``, ``_capacity``, ``top1gating``, ``top2gating``, ``topkgating``,
-``top1_routing``, ``top2_routing``, ``_sparse_encode``, ``Routing.dispatch_mask``, ...) fails the case.
+Every reference is DeepSpeed 0.19.8's own code, called in the grading parent: ``sharded_moe._capacity`` (the function
+every ``TopKGate`` calls), ``sharded_moe.top1gating``, and the buffer a real ``deepspeed.moe.layer.MoE`` hands its
+experts (recorded by a forward pre-hook). Never the lab's ``labutils.ds.gating`` re-derivation, which the exercises
+re-implement; the sandbox cannot import DeepSpeed or labutils at all.
 
 The capacity's hidden cases come from a fixed grid scanned once per process: the float32 edge cases, where
 DeepSpeed's ``ceil((S / E) * float32(cf * k))`` differs from the same formula in float64 or in exact arithmetic
@@ -22,7 +20,7 @@ import math
 
 import torch
 
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 # the capacity grid: tokens, experts, capacity factor (in hundredths), k
 GRID_TOKENS = (2, 513)            # range(*GRID_TOKENS)
@@ -100,12 +98,6 @@ CAPACITY_VISIBLE = ((64, 4, 1.0, 1, 4), (100, 4, 1.2, 1, 0), (3, 4, 1.0, 2, 4), 
                     (128, 6, 1.25, 2, 8))
 
 
-def check_my_capacity(fn, seed=None, n_hidden: int = 12):
-    """``fn(S, E, cf, k, min_capacity)`` -> DeepSpeed's capacity (an integer, compared exactly) against
-    ``sharded_moe._capacity``: the visible cases, then hidden grid cases, two in three of them float32 edges."""
-    check_exercise("capacity", fn, deepspeed_capacity, *CAPACITY_VISIBLE, hidden=capacity_case, n_hidden=n_hidden,
-                   seed=seed)
-
 
 # --- top-1 l_aux ------------------------------------------------------------------------------------------------
 
@@ -135,11 +127,6 @@ def logits_case(gen: torch.Generator, i: int) -> torch.Tensor:
     scale = (0.3, 1.0, 3.0, 8.0)[int(torch.randint(0, 4, (), generator=gen))]
     return router_logits(gen, tokens, experts, scale, favourite=3.0 * scale if i % 4 == 3 else 0.0)
 
-
-def check_my_top1_l_aux(fn, seed=None, n_hidden: int = 8):
-    """``fn(logits (S, E))`` -> DeepSpeed's top-1 balancing loss ``E * sum_e m_e f_e`` against ``top1gating``."""
-    check_exercise("top-1 l_aux", fn, deepspeed_top1_l_aux, *_l_aux_visible(), hidden=logits_case,
-                   n_hidden=n_hidden, seed=seed)
 
 
 # --- the [E, C, d] dispatch buffer -------------------------------------------------------------------------------
@@ -188,10 +175,9 @@ def dispatch_case(gen: torch.Generator, i: int) -> tuple:
             pick((2, 3, 4, 8)), pick((1, 2)), cf)
 
 
-def check_my_dispatch(fn, seed=None, n_hidden: int = 6):
-    """``fn(x, indices, locations, E, C)`` -> the ``(E, C, d)`` buffer, compared with the buffer a real DeepSpeed
-    ``MoE`` layer's experts receive on the same tokens (k = 1 and 2, with and without drops). The buffer is
-    recorded only when the reference runs: the checker holds layers, which the student may not call, not answers."""
+def dispatch_cases() -> Cases:
+    """The dispatch exercise's cases: each case's real ``MoE`` layer is kept here, by the identity of its ``x``; the
+    buffer its experts receive is recorded only when the reference runs (in the grading parent)."""
     layers = {}                                                               # id(x) -> its real MoE layer
 
     def build(settings):
@@ -199,6 +185,12 @@ def check_my_dispatch(fn, seed=None, n_hidden: int = 6):
         layers[id(case[0])] = layer
         return case
 
-    visible = [build(s) for s in DISPATCH_VISIBLE]
-    check_exercise("dispatch buffer", fn, lambda x, *rest: experts_input(layers[id(x)], x), *visible,
-                   hidden=lambda gen, i: build(dispatch_case(gen, i)), n_hidden=n_hidden, seed=seed)
+    return Cases(lambda x, *rest: experts_input(layers[id(x)], x), [build(s) for s in DISPATCH_VISIBLE],
+                 lambda gen, i: build(dispatch_case(gen, i)), n_hidden=6)
+
+
+CASES = {
+    "my_capacity": lambda: Cases(deepspeed_capacity, CAPACITY_VISIBLE, capacity_case, n_hidden=12),
+    "my_top1_l_aux": lambda: Cases(deepspeed_top1_l_aux, _l_aux_visible(), logits_case),
+    "my_dispatch": dispatch_cases,
+}

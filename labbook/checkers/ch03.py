@@ -1,23 +1,18 @@
-"""Chapter 03's exercise checker: ``moe_layer_params(num_expert, d_model, d_hidden)``, the parameter count of an
-``FMoETransformerMLP`` with a ``NaiveGate``, from the formula alone. Serves notebooks/03_transformer_fastmoe.ipynb;
-red-teamed by tests/test_exercise_cheats_ch03.py.
+"""Chapter 03's exercise cases for the grader (:mod:`labbook.grader`): ``moe_layer_params(num_expert, d_model,
+d_hidden)``, the parameter count of an ``FMoETransformerMLP`` with a ``NaiveGate``, from the formula alone. Serves
+notebooks/03_transformer_fastmoe.ipynb; red-teamed by tests/test_grader_ch03.py.
 
-The reference builds the real layer on the meta device and counts its tensors (outside the guard), so it does not
-share a formula with the answer; counts are integers and are compared exactly (a count that forgets the router's
-32 biases is wrong, although it is within 1e-7 of the answer). While the student's function runs, calls into the
-book's package, DeepSpeed or fastmoe are refused, and so is building any ``nn.Module`` or reading a module's
-parameters: the count must come from the formula."""
+The reference builds the real layer on the meta device and counts its tensors (in the grading parent), so it does
+not share a formula with the answer; counts are integers and are compared exactly (a count that forgets the router's
+32 biases is wrong, although it is within 1e-7 of the answer). The exercise's policy refuses building any layer or
+reading a module's parameters: the count must come from the formula."""
 from __future__ import annotations
 
 import torch
 
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 VISIBLE = ((32, 1024, 4096), (8, 64, 128), (3, 10, 7))     # the book's layer, the tiny preset's, an odd one
-
-# building any module or reading a module's parameters is not the formula
-FORBIDDEN = (torch.nn.Module.__init__, torch.nn.Module.parameters, torch.nn.Module.named_parameters,
-             torch.nn.Module.state_dict)
 
 
 def _counted(num_expert: int, d_model: int, d_hidden: int) -> torch.Tensor:
@@ -37,8 +32,4 @@ def _hidden(gen: torch.Generator, i: int) -> tuple:
     return (num_expert, d_model, d_hidden)
 
 
-def check_moe_layer_params(fn, seed: int | None = None) -> None:
-    """``fn(num_expert, d_model, d_hidden)`` -> the layer's parameter count (an int or an integer tensor),
-    compared exactly on the 3 visible cases and 10 hidden ones."""
-    check_exercise("moe_layer_params", fn, _counted, *VISIBLE, hidden=_hidden, n_hidden=10, seed=seed,
-                   forbidden=FORBIDDEN)
+CASES = {"moe_layer_params": lambda: Cases(_counted, VISIBLE, _hidden, n_hidden=10)}

@@ -1,20 +1,18 @@
-"""Chapter 04's exercise checkers: DeepSpeed's expert capacity as a Transformer's MoE layer uses it, and the top-2
-balancing loss ``l_aux``. Serves notebooks/04_transformer_deepspeed.ipynb; red-teamed by
-tests/test_exercise_cheats_ch04.py.
+"""Chapter 04's exercise cases for the grader (:mod:`labbook.grader`): DeepSpeed's expert capacity as a
+Transformer's MoE layer uses it, and the top-2 balancing loss ``l_aux``. Serves notebooks/04_transformer_deepspeed.ipynb;
+red-teamed by tests/test_grader_ch04.py.
 
-References are DeepSpeed 0.19.8's own code, called outside the guard: ``sharded_moe._capacity`` (through
+References are DeepSpeed 0.19.8's own code, called in the grading parent: ``sharded_moe._capacity`` (through
 :func:`labbook.checkers.ch02.deepspeed_capacity`, with chapter 02's grid of float32 edge cases, so a capacity
-rounded in float64 fails) and ``sharded_moe.top2gating`` with second-expert sampling off. The student's function runs
-under :class:`labbook.guard.Guard`: ``top1gating`` (whose ``l_aux`` is the same number as top-2's),
-``top2gating``, ``topkgating``, the lab's ``labutils.ds.gating`` and every other labutils or DeepSpeed function fail
-the case; ``forbidden=`` adds the chapter's own notebook helpers (section 4's ``l_aux_by_hand``).
+rounded in float64 fails) and ``sharded_moe.top2gating`` with second-expert sampling off. The sandbox cannot import
+DeepSpeed or labutils, and a pasted copy of the chapter's own ``l_aux_by_hand`` is refused by identity.
 """
 from __future__ import annotations
 
 import torch
 
 from labbook.checkers import ch02
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 # --- capacity -------------------------------------------------------------------------------------------------
 
@@ -32,11 +30,6 @@ def capacity_case(gen: torch.Generator, i: int) -> tuple:
     return s, e, k, cf, m
 
 
-def check_ds_capacity(fn, seed=None, n_hidden: int = 12):
-    """``fn(tokens, num_experts, k, capacity_factor, min_capacity=4)`` -> DeepSpeed's capacity, compared exactly."""
-    check_exercise("ds_capacity", fn, deepspeed_capacity, *CAPACITY_VISIBLE, hidden=capacity_case,
-                   n_hidden=n_hidden, seed=seed)
-
 
 # --- top-2 l_aux -------------------------------------------------------------------------------------------------
 
@@ -51,8 +44,7 @@ def _l_aux_visible() -> tuple:
     return (ch02.router_logits(g, 64, 4, 2.0), ch02.router_logits(g, 256, 8, 2.0), ch02.router_logits(g, 10, 16, 2.0))
 
 
-def check_top2_l_aux(fn, seed=None, n_hidden: int = 8, forbidden=()):
-    """``fn(logits (S, E))`` -> DeepSpeed's top-2 ``l_aux = E^2 mean_e(m_e c_e)`` (``c_e`` from first choices)
-    against ``top2gating``; hidden logits as in chapter 02 (a collapsing router every fourth case)."""
-    check_exercise("top2_l_aux", fn, deepspeed_top2_l_aux, *_l_aux_visible(), hidden=ch02.logits_case,
-                   n_hidden=n_hidden, seed=seed, forbidden=forbidden)
+CASES = {
+    "ds_capacity": lambda: Cases(deepspeed_capacity, CAPACITY_VISIBLE, capacity_case, n_hidden=12),
+    "top2_l_aux": lambda: Cases(deepspeed_top2_l_aux, _l_aux_visible(), ch02.logits_case),
+}

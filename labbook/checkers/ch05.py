@@ -1,19 +1,17 @@
-"""Chapter 05's exercise checkers: the balance entropy of a routed-token count table, and the step at which a
-validation curve first reaches a loss (linear between evaluations, None when it never does). Serves
-notebooks/05_moe_vs_dense.ipynb; red-teamed by tests/test_exercise_cheats_ch05.py.
+"""Chapter 05's exercise cases for the grader (:mod:`labbook.grader`): the balance entropy of a routed-token count
+table, and the step at which a validation curve first reaches a loss (linear between evaluations, None when it never
+does). Serves notebooks/05_moe_vs_dense.ipynb; red-teamed by tests/test_grader_ch05.py.
 
 The references are written here as plain Python loops over lists (not ``lm_study.steps_to_reach``, not
 ``train_modern.balance_stats``), and every case, visible or hidden, is built inside this module: nothing is read
 from the notebook's globals (its ``record`` of the live run)."""
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from labbook.exercises import check_exercise
-from labbook.guard import trusted
+from labbook.grader.answers import Cases
 
 # --- exercise 1: balance_entropy(load) ------------------------------------------------------------------------
 
@@ -51,13 +49,6 @@ def _entropy_hidden(gen: torch.Generator, i: int) -> tuple:
     return (load,)
 
 
-def check_balance_entropy(fn, seed: int | None = None) -> None:
-    """``fn(load)`` for a ``(windows, experts)`` int count tensor returns the entropy of the total share per expert
-    divided by ``log(experts)``: 3 visible cases and 10 hidden ones (2 to 16 experts, dead experts, empty
-    windows). Calls into labutils, DeepSpeed or fastmoe are refused."""
-    check_exercise("balance_entropy", fn, _entropy_reference, *ENTROPY_VISIBLE, hidden=_entropy_hidden,
-                   n_hidden=10, seed=seed, rtol=1e-5, atol=1e-6)
-
 
 # --- exercise 2: my_steps_to_reach(steps, losses, target) -----------------------------------------------------
 
@@ -74,11 +65,10 @@ def _reach_reference(steps: list, losses: list, target: float) -> tuple:
     return 0, 0.0
 
 
-@trusted
-def _as_pair(fn, steps, losses, target) -> tuple:
-    """Call the student's function (on copies: it may not edit the case) and map its answer to
-    ``(reached, step)``: None is ``(0, 0.0)``; a number ``x`` is ``(1, x)``."""
-    got = fn(list(steps), list(losses), target)
+def _as_pair(got, args) -> tuple:
+    """The answer as ``(reached, step)``: None is ``(0, 0.0)``; a number ``x`` is ``(1, x)``."""
+    if got is not None and not isinstance(got, (int, float, torch.Tensor)):
+        raise AssertionError(f"returned a {type(got).__name__}: a step (a number) or None")
     return (0, 0.0) if got is None else (1, got)
 
 
@@ -110,11 +100,8 @@ def _reach_hidden(gen: torch.Generator, i: int) -> tuple:
     return (steps, losses, target)
 
 
-def check_my_steps_to_reach(fn, seed: int | None = None) -> None:
-    """``fn(steps, losses, target)`` returns the first step at which the curve reaches ``target`` (at or below),
-    linear between evaluations, the first evaluation itself when it is already there, None when never: 6 visible
-    cases and 12 hidden ones (uneven spacing, curves that rise again, targets equal to an evaluated loss or below
-    every one). Calls into labutils (``lm_study.steps_to_reach``, ``loss_at``, ...), DeepSpeed or fastmoe are
-    refused."""
-    check_exercise("my_steps_to_reach", functools.partial(_as_pair, fn), _reach_reference, *REACH_VISIBLE,
-                   hidden=_reach_hidden, n_hidden=12, seed=seed, rtol=1e-9, atol=1e-9)
+CASES = {
+    "balance_entropy": lambda: Cases(_entropy_reference, ENTROPY_VISIBLE, _entropy_hidden, n_hidden=10),
+    "my_steps_to_reach": lambda: Cases(_reach_reference, REACH_VISIBLE, _reach_hidden, n_hidden=12, rtol=1e-9,
+                                       atol=1e-9, reduce=_as_pair),
+}

@@ -1,21 +1,19 @@
-"""Chapter 06's exercise checkers: the backward of an all-gather, the local order of received rows, and the bytes of
-DeepSpeed's dispatch all-to-all. Serves notebooks/06_distributed_experts.ipynb; red-teamed by
-tests/test_exercise_cheats_ch06.py.
+"""Chapter 06's exercise cases for the grader (:mod:`labbook.grader`): the backward of an all-gather, the local order
+of received rows, and the bytes of DeepSpeed's dispatch all-to-all. Serves notebooks/06_distributed_experts.ipynb;
+red-teamed by tests/test_grader_ch06.py.
 
 References are independent of the functions the exercises re-implement: single-process autograd through
 ``torch.cat`` (the all-gather's backward), a brute-force loop over the received blocks (the local order), and
 DeepSpeed 0.19.8's own ``sharded_moe._capacity`` (through :func:`labbook.checkers.ch02.deepspeed_capacity`,
 with chapter 02's grid of float32 edge cases, so a capacity rounded in float64, or by ``int()``/``round()``, fails).
-The student's function runs under :class:`labbook.guard.Guard`: ``AllGatherFunction``, fastmoe's
-``AllGather``, ``expert_parallel.local_order``, ``count_by_gate``, ``traffic.deepspeed_bytes``, the lab's
-``ds_capacity``, DeepSpeed itself and every other labutils function fail the case.
+All three run in the grading parent; the sandbox cannot import labutils or DeepSpeed.
 """
 from __future__ import annotations
 
 import torch
 
 from labbook.checkers import ch02
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 # --- exercise 1: the backward of an all-gather -------------------------------------------------------------------
 
@@ -52,11 +50,6 @@ def gather_case(gen: torch.Generator, i: int) -> tuple:
     return _gather_case(gen, sizes, rank, ("sum", "slice")[i % 2], d)
 
 
-def check_all_gather_backward(fn, seed=None, n_hidden: int = 10):
-    """``fn(upstream, sizes, rank, mode)`` -> rank ``rank``'s gradient for its own ``(sizes[rank], d)`` input."""
-    check_exercise("all_gather_backward", fn, all_gather_backward_reference, *_gather_visible(), hidden=gather_case,
-                   n_hidden=n_hidden, seed=seed, rtol=1e-12, atol=1e-12)
-
 
 # --- exercise 2: the local order -----------------------------------------------------------------------------------
 
@@ -80,13 +73,6 @@ def local_order_case(gen: torch.Generator, i: int) -> tuple:
     counts = (torch.randint(0, 6, (world * ne,), generator=gen) - 1).clamp_min(0)
     return counts, ne
 
-
-def check_my_local_order(fn, seed=None, n_hidden: int = 10):
-    """``fn(global_expert_count, num_expert)`` -> the permutation (int64, compared exactly) that turns rows
-    received by (source rank, local expert) into (local expert, source rank), each block's order kept."""
-    visible = tuple((torch.tensor(c), ne) for c, ne in LOCAL_ORDER_VISIBLE)
-    check_exercise("my_local_order", fn, local_order_reference, *visible, hidden=local_order_case,
-                   n_hidden=n_hidden, seed=seed)
 
 
 # --- exercise 3: DeepSpeed's dispatch bytes ----------------------------------------------------------------------
@@ -115,7 +101,11 @@ def dispatch_bytes_case(gen: torch.Generator, i: int) -> tuple:
     return s, e, w, d, (2, 4)[int(torch.randint(0, 2, (), generator=gen))], cf, k
 
 
-def check_ds_dispatch_bytes(fn, seed=None, n_hidden: int = 12):
-    """``fn(tokens, E, W, d, elem, cf, k)`` -> DeepSpeed's off-rank dispatch bytes (an integer, compared exactly)."""
-    check_exercise("ds_dispatch_bytes", fn, deepspeed_dispatch_bytes, *DISPATCH_BYTES_VISIBLE,
-                   hidden=dispatch_bytes_case, n_hidden=n_hidden, seed=seed)
+CASES = {
+    "all_gather_backward": lambda: Cases(all_gather_backward_reference, _gather_visible(), gather_case, n_hidden=10,
+                                         rtol=1e-12, atol=1e-12),
+    "my_local_order": lambda: Cases(local_order_reference, [(torch.tensor(c), ne) for c, ne in LOCAL_ORDER_VISIBLE],
+                                    local_order_case, n_hidden=10),
+    "ds_dispatch_bytes": lambda: Cases(deepspeed_dispatch_bytes, DISPATCH_BYTES_VISIBLE, dispatch_bytes_case,
+                                       n_hidden=12),
+}

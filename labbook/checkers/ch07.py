@@ -1,27 +1,15 @@
-"""Chapter 07's exercise checkers: a rank's share of a batch along any dimension (uneven splits included, integers
-compared exactly) and the grouped gradient reduction simulated on one process, each against a brute-force reference
-written here, with hidden cases from a seed the student does not see. Serves notebooks/07_data_parallel.ipynb;
-red-teamed by tests/test_exercise_cheats_ch07.py."""
+"""Chapter 07's exercise cases for the grader (:mod:`labbook.grader`): a rank's share of a batch along any dimension
+(uneven splits included, integers compared exactly) and the grouped gradient reduction simulated on one process, each
+against a brute-force reference written here, with hidden cases from a seed the student does not see. Serves
+notebooks/07_data_parallel.ipynb; red-teamed by tests/test_grader_ch07.py. The splitting ops that implement the
+uneven-split rule are refused by the exercise's policy (``labbook.grader.catalog.SPLITS``)."""
 from __future__ import annotations
 
 import torch
 
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 # --- exercise 1: shard_batch(x, rank, world, dim) ----------------------------------------------------------------
-
-# torch ops that implement the uneven-split rule themselves (``x.chunk``, ``x.tensor_split``, ``torch.hsplit`` ...)
-SPLIT_OPS = frozenset({"chunk", "unsafe_chunk", "tensor_split", "hsplit", "vsplit", "dsplit"})
-
-
-def _numpy_splitters() -> list:
-    """numpy's ``array_split``/``split`` (the same rule as ``tensor_split``), unwrapped to their Python code."""
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional here
-        return []
-    return [getattr(f, "__wrapped__", f) for f in (np.array_split, np.split)]
-
 
 def _shard_reference(x: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
     """Deal the rows out one at a time, row i to rank i % world, to count each rank's share; then rank r takes the
@@ -55,22 +43,14 @@ def _shard_hidden(gen: torch.Generator, i: int):
     return x, draw(0, world), world, dim
 
 
-def check_shard_batch(fn, seed: int | None = None) -> None:
-    """``fn(x, rank, world, dim)`` -> rank ``rank``'s contiguous share of ``x`` along ``dim`` under
-    ``torch.tensor_split``'s rule: with ``n = x.shape[dim]``, the first ``n % world`` ranks get ``n // world + 1``
-    rows, the others ``n // world`` (possibly 0); every row lands on exactly one rank, in order. 6 visible cases
-    (including 7 rows over 2 ranks, 5 over 4, 2 over 3) and 10 hidden ones; splitting ops that implement the rule
-    (``chunk``, ``tensor_split``, ``hsplit``/``vsplit``/``dsplit``, numpy's ``array_split``) and calls into labutils,
-    DeepSpeed or fastmoe are refused."""
+def _shard_visible() -> list:
     g = torch.Generator().manual_seed(7)
-    cases = [(torch.randint(-99, 99, (8, 3), generator=g), 1, 2, 0),       # even: 4 + 4
-             (torch.randint(-99, 99, (7, 2), generator=g), 1, 2, 0),       # 4 + 3: rows 4..6
-             (torch.randint(-99, 99, (5, 3), generator=g), 3, 4, 0),       # 2 + 1 + 1 + 1: row 4
-             (torch.randn(3, 10, generator=g), 2, 3, 1),                   # 4 + 3 + 3 along dim 1
-             (torch.randint(-99, 99, (2, 4, 2), generator=g), 2, 3, 0),    # 1 + 1 + 0: rank 2 gets no rows
-             (torch.randn(2, 4, 6, generator=g), 0, 4, 2)]                 # 2 + 2 + 1 + 1 along dim 2
-    check_exercise("shard_batch", fn, _shard_reference, *cases, hidden=_shard_hidden, n_hidden=10, seed=seed,
-                   rtol=0.0, atol=0.0, ops=SPLIT_OPS, forbidden=_numpy_splitters())
+    return [(torch.randint(-99, 99, (8, 3), generator=g), 1, 2, 0),       # even: 4 + 4
+            (torch.randint(-99, 99, (7, 2), generator=g), 1, 2, 0),       # 4 + 3: rows 4..6
+            (torch.randint(-99, 99, (5, 3), generator=g), 3, 4, 0),       # 2 + 1 + 1 + 1: row 4
+            (torch.randn(3, 10, generator=g), 2, 3, 1),                   # 4 + 3 + 3 along dim 1
+            (torch.randint(-99, 99, (2, 4, 2), generator=g), 2, 3, 0),    # 1 + 1 + 0: rank 2 gets no rows
+            (torch.randn(2, 4, 6, generator=g), 0, 4, 2)]                 # 2 + 2 + 1 + 1 along dim 2
 
 
 # --- exercise 2: grouped_reduce(per_rank, is_expert, ep_size) ----------------------------------------------------
@@ -102,13 +82,23 @@ def _grouped_hidden(gen: torch.Generator, i: int):
     return per_rank, torch.rand(n_params, generator=gen) < 0.5, ep_size
 
 
-def check_grouped_reduce(fn, seed: int | None = None) -> None:
-    """``fn(per_rank, is_expert, ep_size)`` -> the ``(W, P)`` gradients after the grouped reduction (see
-    :func:`_grouped_reference`). 4 visible cases and 10 hidden ones; calls into labutils (its data_parallel module),
-    DeepSpeed or fastmoe are refused."""
+def _grouped_tolerance(per_rank: torch.Tensor, is_expert, ep_size) -> tuple:
+    """A sum of W terms in the inputs' dtype is off the exact sum by up to about (W - 1) eps max|term| however it is
+    ordered; divided by W, and with the reference rounded once: atol = 2 W eps max|term|, rtol = 4 eps."""
+    eps = torch.finfo(per_rank.dtype).eps
+    return 4 * eps, 2 * per_rank.shape[0] * eps * float(per_rank.abs().max())
+
+
+def _grouped_visible() -> list:
     g = torch.Generator().manual_seed(7)
-    cases = [(torch.randn(2, 5, generator=g), torch.tensor([0, 1, 1, 0, 0]).bool(), 2),
-             (torch.randn(4, 6, generator=g), torch.tensor([1, 0, 1, 0, 1, 0]).bool(), 2),
-             (torch.randn(4, 3, generator=g), torch.tensor([1, 1, 0]).bool(), 1),
-             (torch.randn(6, 4, generator=g), torch.tensor([1, 0, 0, 1]).bool(), 3)]
-    check_exercise("grouped_reduce", fn, _grouped_reference, *cases, hidden=_grouped_hidden, n_hidden=10, seed=seed)
+    return [(torch.randn(2, 5, generator=g), torch.tensor([0, 1, 1, 0, 0]).bool(), 2),
+            (torch.randn(4, 6, generator=g), torch.tensor([1, 0, 1, 0, 1, 0]).bool(), 2),
+            (torch.randn(4, 3, generator=g), torch.tensor([1, 1, 0]).bool(), 1),
+            (torch.randn(6, 4, generator=g), torch.tensor([1, 0, 0, 1]).bool(), 3)]
+
+
+CASES = {
+    "shard_batch": lambda: Cases(_shard_reference, _shard_visible(), _shard_hidden, n_hidden=10, rtol=0.0, atol=0.0),
+    "grouped_reduce": lambda: Cases(_grouped_reference, _grouped_visible(), _grouped_hidden, n_hidden=10,
+                                    tolerance=_grouped_tolerance),
+}

@@ -1,24 +1,21 @@
-"""Chapter 08's exercise checkers: the combine written as one ``index_add`` (with its gradients and dtype), a
-timing harness that compares two steps fairly, and the FLOP overhead of GShard's one-hot einsums. Serves
-notebooks/08_performance.ipynb; red-teamed by tests/test_exercise_cheats_ch08.py.
+"""Chapter 08's exercise cases for the grader (:mod:`labbook.grader`): the combine written as one ``index_add``
+(with its gradients and dtype), a timing harness that compares two steps fairly, and the FLOP overhead of GShard's
+one-hot einsums. Serves notebooks/08_performance.ipynb; red-teamed by tests/test_grader_ch08.py.
 
-The references are written for the checker and independent of the function under test: the combine and its
-gradients by a loop over the sorted rows in float64; the timing harness against two steps of KNOWN cost (they
-burn a hidden, seeded amount of CPU time and count their forward and backward calls); the einsum overhead by
-torch's own FLOP counter (``torch.utils.flop_counter.FlopCounterMode``) run on meta tensors of each case's shapes.
-The student's function runs under :class:`labbook.guard.Guard`: any call into labutils (``gather_combine``,
-``MOEGatherCombine``, ``labutils.perf.timing.bench``, ``labutils.perf.dispatch.einsum``, ...), DeepSpeed or fastmoe
-fails the case, and so does the FLOP counter itself in the einsum exercise.
+The references are written for the grader and independent of the function under test: the combine and its
+gradients by a loop over the sorted rows in float64 (the sandbox runs the student's combine with gradients:
+``labbook.grader.adapters.with_gradients``); the timing harness against two steps of KNOWN cost, built in the
+sandbox from a hidden factor (``adapters.known_cost_steps``), judged here from its timings and the steps' call log;
+the einsum overhead by torch's own FLOP counter (``torch.utils.flop_counter.FlopCounterMode``) on meta tensors of
+each case's shapes, which the exercise's policy refuses to the student.
 """
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from labbook.exercises import check_exercise
-from labbook.guard import trusted
+from labbook.grader.answers import Cases
 
 # --- exercise 1: the combine as one index_add ----------------------------------------------------------------
 
@@ -58,34 +55,6 @@ def combine_reference(y_sorted, pos, score, grad_out):
     return out.to(y_sorted.dtype), gy.to(y_sorted.dtype), gs_t.to(score.dtype)
 
 
-def _with_gradients(fn):
-    """The student's combine run as training runs it: inputs that require grad, a backward of ``grad_out``.
-    Returns ``(out, grad y_sorted, grad score)``; raises with a clear message when the output has the wrong
-    dtype or shape, or no gradient path to either input."""
-
-    @trusted
-    def run(y_sorted, pos, score, grad_out):
-        y = y_sorted.clone().requires_grad_()
-        s = score.clone().requires_grad_()
-        out = fn(y, pos, s)
-        if not torch.is_tensor(out):
-            raise AssertionError(f"combine_index_add must return a tensor, got {type(out).__name__}")
-        if out.dtype != y_sorted.dtype:
-            raise AssertionError(f"output dtype {out.dtype}, expected {y_sorted.dtype} (the dtype of y_sorted)")
-        if tuple(out.shape) != tuple(grad_out.shape):
-            raise AssertionError(f"output shape {tuple(out.shape)}, expected {tuple(grad_out.shape)} (T, d)")
-        if not out.requires_grad:
-            raise AssertionError("the output has no gradient path to y_sorted or score (detached, or computed "
-                                 "under no_grad): training could not learn through it")
-        out.backward(grad_out)
-        if y.grad is None or s.grad is None:
-            missing = [n for n, t in (("y_sorted", y), ("score", s)) if t.grad is None]
-            raise AssertionError(f"no gradient reaches {', '.join(missing)}")
-        return out.detach(), y.grad, s.grad
-
-    return run
-
-
 COMBINE_VISIBLE = [(64, 8, 2, 16, 0.0), (33, 4, 1, 8, 0.0), (50, 16, 4, 32, 0.1)]  # T, E, k, d, share dropped
 
 
@@ -100,71 +69,12 @@ def _combine_hidden(gen: torch.Generator, i: int):
     return _combine_case(T, E, k, d, gen, drop, y_dtype, score_dtype)
 
 
-def check_combine_index_add(fn, seed=None) -> None:
-    """``fn(y_sorted (N, d), pos (N,), score (T, k)) -> (T, d)``: output, gradients w.r.t. ``y_sorted`` and
-    ``score``, and the output's dtype (that of ``y_sorted``), on 3 visible and 8 hidden routings (some with
-    dropped choices, some float64)."""
+def _combine_visible() -> list:
     gen = torch.Generator().manual_seed(8)
-    visible = [_combine_case(T, E, k, d, gen, drop) for T, E, k, d, drop in COMBINE_VISIBLE]
-    check_exercise("combine_index_add", _with_gradients(fn), combine_reference, *visible, hidden=_combine_hidden,
-                   seed=seed, rtol=1e-5, atol=1e-5)
+    return [_combine_case(T, E, k, d, gen, drop) for T, E, k, d, drop in COMBINE_VISIBLE]
 
 
 # --- exercise 1b: timing two steps fairly ---------------------------------------------------------------------
-
-
-class _KnownCost:
-    """A step of known cost: its forward burns ``fwd_s`` of this thread's CPU time, its backward ``bwd_s``;
-    every call is logged (name, "fwd"/"bwd") so the checker sees the order and that backward ran."""
-
-    def __init__(self, name: str, fwd_s: float, bwd_s: float, log: list):
-        self.name, self.fwd_s, self.bwd_s, self.log = name, fwd_s, bwd_s, log
-        outer = self
-
-        class Step(torch.autograd.Function):
-            @staticmethod
-            @trusted
-            def forward(ctx, x):
-                outer.log.append((outer.name, "fwd"))
-                _burn(outer.fwd_s)
-                return x * 1.0
-
-            @staticmethod
-            @trusted
-            def backward(ctx, g):
-                outer.log.append((outer.name, "bwd"))
-                _burn(outer.bwd_s)
-                return g
-
-        self._step = Step
-
-    @trusted
-    def __call__(self, x):
-        return self._step.apply(x)
-
-
-@trusted
-def _burn(seconds: float) -> None:
-    """Spin for ``seconds`` of this thread's CPU time (sleeping would cost no CPU time)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
-@trusted
-def _fresh_input():
-    return torch.ones(4, requires_grad=True)
-
-
-class _Pair:
-    """One timing case: steps A and B (B costs ``factor`` times A, its extra cost all in its backward: a harness
-    that times forwards only sees a ratio of 1), the shared call log, and the rounds asked for. Built outside the
-    guard (the checker's own code), handed to the student's harness inside it."""
-
-    def __init__(self, reps: int, base: float, factor: float):
-        self.reps, self.base, self.factor, self.log = reps, base, factor, []
-        self.a = _KnownCost("A", base / 2, base / 2, self.log)
-        self.b = _KnownCost("B", base / 2, factor * base - base / 2, self.log)
 
 
 TIMING_VISIBLE = [(3, 0.004, 2.0), (5, 0.002, 3.0)]  # rounds, step A's cost (s), B's cost / A's
@@ -174,54 +84,36 @@ def _timing_hidden(gen: torch.Generator, i: int):
     reps = int(torch.randint(3, 7, (1,), generator=gen))
     base = 0.002 + 0.002 * float(torch.rand(1, generator=gen))
     factor = [1.5, 2.5, 4.0][int(torch.randint(0, 3, (1,), generator=gen))]
-    return (_Pair(reps, base, factor),)
+    return reps, base, factor
 
 
-def _timing_run(fn):
-    """Run the student's harness on two steps of known cost; returns what a correct harness must observe:
-    (rounds timed per step, every step's forward followed by its backward, interleaved, B/A ratio in band)."""
-
-    @trusted
-    def run(pair):  # no comprehensions here: each is a frame of its own, inside the package, hence off limits
-        reps, factor, log = pair.reps, pair.factor, pair.log
-        times = fn(pair.a, pair.b, _fresh_input, reps)
-        if not (isinstance(times, dict) and set(times) == {"a", "b"}):
-            raise AssertionError(f"time_pair must return {{'a': [...], 'b': [...]}}, got {type(times).__name__}")
-        ta, tb, ratios = list(times["a"]), list(times["b"]), []
-        for x, y in zip(ta, tb):
-            if float(x) <= 0:
-                raise AssertionError(f"a timing of {float(x)} s: the clock did not see the step run")
-            ratios.append(float(y) / float(x))
-        pairs_ok, fwd = len(log) % 2 == 0, []
-        for i in range(0, len(log) - 1, 2):   # every forward followed at once by the same step's backward
-            pairs_ok = pairs_ok and log[i][1] == "fwd" and log[i + 1] == (log[i][0], "bwd")
-            fwd.append(log[i][0])
-        switches = 0
-        for x, y in zip(fwd, fwd[1:]):
-            switches += x != y
-        interleaved = len(fwd) >= 2 and switches >= len(fwd) // 2 - 1   # A B A B ... (after any warm-up)
-        ratio = sorted(ratios)[len(ratios) // 2] if ratios else float("nan")
-        in_band = factor / 1.6 <= ratio <= factor * 1.6          # CPU-time burns: a right harness lands near it
-        return (torch.tensor([len(ta), len(tb)]), torch.tensor(int(pairs_ok)), torch.tensor(int(interleaved)),
-                torch.tensor(int(in_band)))
-
-    return run
+def judge_timing(got, args) -> tuple:
+    """What a correct harness must have done, from its timings and the steps' call log (``"A fwd"``, ...):
+    (rounds timed per step, every forward followed at once by the same step's backward, rounds interleaved, median
+    paired ratio B/A within a factor 1.6 of the truth: CPU-time burns, a right harness lands near it)."""
+    reps, _, factor = args
+    times, log = got["times"], got["log"]
+    if not (isinstance(times, dict) and set(times) == {"a", "b"}):
+        raise AssertionError(f"time_pair must return {{'a': [...], 'b': [...]}}, got {type(times).__name__}")
+    ta, tb = list(times["a"]), list(times["b"])
+    if not all(isinstance(t, (int, float)) for t in ta + tb):
+        raise AssertionError("the timings must be numbers of seconds")
+    if any(t <= 0 for t in ta):
+        raise AssertionError(f"a timing of {min(ta)} s: the clock did not see the step run")
+    ratios = sorted(float(y) / float(x) for x, y in zip(ta, tb))
+    pairs_ok = len(log) % 2 == 0 and all(
+        log[i].endswith("fwd") and log[i + 1] == log[i][0] + " bwd" for i in range(0, len(log) - 1, 2))
+    fwd = [log[i][0] for i in range(0, len(log) - 1, 2)]
+    switches = sum(x != y for x, y in zip(fwd, fwd[1:]))
+    interleaved = len(fwd) >= 2 and switches >= len(fwd) // 2 - 1        # A B A B ... (after any warm-up)
+    ratio = ratios[len(ratios) // 2] if ratios else float("nan")
+    in_band = factor / 1.6 <= ratio <= factor * 1.6
+    return (torch.tensor([len(ta), len(tb)]), torch.tensor(int(pairs_ok)), torch.tensor(int(interleaved)),
+            torch.tensor(int(in_band)))
 
 
-def _timing_reference(pair):
-    return torch.tensor([pair.reps, pair.reps]), torch.tensor(1), torch.tensor(1), torch.tensor(1)
-
-
-def check_time_pair(fn, seed=None) -> None:
-    """``fn(step_a, step_b, make_input, reps) -> {"a": [s, ...], "b": [s, ...]}``: ``reps`` rounds, each timing one
-    forward+backward of A then of B (interleaved), with a clock that counts their work. Checked on steps whose
-    cost the checker knows (B costs a hidden multiple of A): every forward followed by its backward, rounds
-    interleaved, ``reps`` times per step, and the median paired ratio B/A within a factor 1.6 of the truth."""
-    from torch.utils.benchmark import Timer
-
-    visible = [(_Pair(*c),) for c in TIMING_VISIBLE]
-    check_exercise("time_pair", _timing_run(fn), _timing_reference, *visible, hidden=_timing_hidden,
-                   n_hidden=3, seed=seed, forbidden=[Timer.__init__])  # torch's classes: name the function
+def _timing_reference(reps, base, factor):
+    return torch.tensor([reps, reps]), torch.tensor(1), torch.tensor(1), torch.tensor(1)
 
 
 # --- exercise 2: the one-hot einsums' FLOPs ------------------------------------------------------------------
@@ -269,10 +161,8 @@ def _einsum_hidden(gen: torch.Generator, i: int):
     return T, E, C, pick(4, 1024), pick(4, 4096), k
 
 
-def check_einsum_overhead(fn, seed=None) -> None:
-    """``fn(T, E, C, d, h, k)``: the one-hot einsums' FLOPs over the expert FLOPs of one training step, against
-    torch's FLOP counter on 3 visible and 8 hidden shapes."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    check_exercise("einsum_overhead", fn, einsum_overhead_reference, *EINSUM_VISIBLE, hidden=_einsum_hidden,
-                   seed=seed, rtol=1e-6, atol=0.0, forbidden=[FlopCounterMode.__init__])
+CASES = {
+    "combine_index_add": lambda: Cases(combine_reference, _combine_visible(), _combine_hidden, rtol=1e-5, atol=1e-5),
+    "time_pair": lambda: Cases(_timing_reference, TIMING_VISIBLE, _timing_hidden, n_hidden=3, reduce=judge_timing),
+    "einsum_overhead": lambda: Cases(einsum_overhead_reference, EINSUM_VISIBLE, _einsum_hidden, rtol=1e-6, atol=0.0),
+}

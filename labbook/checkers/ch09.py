@@ -1,17 +1,15 @@
-"""Chapter 09's exercise checkers: the auxiliary-loss-free bias update (torchtitan's mean-centred sign step) and
-expert-choice routing (each expert's top-C tokens, ties to the earlier token). Serves notebooks/09_modern_moe.ipynb;
-red-teamed by tests/test_exercise_cheats_ch09.py.
+"""Chapter 09's exercise cases for the grader (:mod:`labbook.grader`): the auxiliary-loss-free bias update
+(torchtitan's mean-centred sign step) and expert-choice routing (each expert's top-C tokens, ties to the earlier
+token). Serves notebooks/09_modern_moe.ipynb; red-teamed by tests/test_grader_ch09.py.
 
 Both references are brute-force Python loops written from the definitions, not
 ``labutils.moe.modern.aux_free.bias_update`` or ``labutils.moe.modern.expert_choice.expert_choice_route`` (the
-functions the exercises re-implement). While the student's function runs, calls into labutils or labbook (those
-functions, ``update_expert_bias``, ``reference_routes``, a copy of their code objects), DeepSpeed or fastmoe are
-refused."""
+functions the exercises re-implement); they run in the grading parent, and the sandbox cannot import either."""
 from __future__ import annotations
 
 import torch
 
-from labbook.exercises import check_exercise
+from labbook.grader.answers import Cases
 
 # --- exercise 1: my_bias_update(bias, counts, rate) -------------------------------------------------------------
 
@@ -44,11 +42,6 @@ def _bias_hidden(gen: torch.Generator, i: int) -> tuple:
     rate = float(10 ** -torch.randint(1, 5, (1,), generator=gen).item())
     return (bias, counts, rate)
 
-
-def check_bias_update(fn, seed: int | None = None) -> None:
-    """``fn(bias (E,), counts (E,), rate)`` -> the new bias ``(E,)``: ``b + rate * sign(mean(c) - c)`` with the
-    mean of that update subtracted. 3 visible cases, 9 hidden ones (up to 64 experts, experts at the mean)."""
-    check_exercise("bias update", fn, _bias_reference, *BIAS_VISIBLE, hidden=_bias_hidden, n_hidden=9, seed=seed)
 
 
 # --- exercise 2: my_expert_choice(scores, capacity) ----------------------------------------------------------
@@ -85,8 +78,7 @@ def _ec_hidden(gen: torch.Generator, i: int) -> tuple:
     return (scores, capacity)
 
 
-def check_expert_choice(fn, seed: int | None = None) -> None:
-    """``fn(scores (T, E), capacity)`` -> ``(token_idx (E, C), gates (E, C))``; token indices compared exactly.
-    3 visible cases, 10 hidden ones (half of them full of ties)."""
-    check_exercise("expert choice", fn, _expert_choice_reference, *EC_VISIBLE, hidden=_ec_hidden, n_hidden=10,
-                   seed=seed)
+CASES = {
+    "my_bias_update": lambda: Cases(_bias_reference, BIAS_VISIBLE, _bias_hidden, n_hidden=9),
+    "my_expert_choice": lambda: Cases(_expert_choice_reference, EC_VISIBLE, _ec_hidden, n_hidden=10),
+}

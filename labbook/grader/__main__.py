@@ -1,0 +1,3 @@
+from labbook.grader.cli import main
+
+raise SystemExit(main())
