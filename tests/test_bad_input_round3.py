@@ -264,26 +264,6 @@ def test_a_late_rank_in_the_same_collective_is_not_a_mismatch():
     assert launch(same_collective_one_rank_late, 2, MISMATCH_S + 1.5, timeout=120) == [[2.0, 2.0]] * 2
 
 
-def student_gather():
-    import torch.distributed as dist
-
-    out = [torch.empty(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([float(dist.get_rank())]))
-    return torch.cat(out).tolist()
-
-
-def guarded_student_gather():
-    from labbook.exercises import guarded_call
-    return guarded_call(student_gather)
-
-
-@pytest.mark.dist
-def test_the_collective_watch_is_not_a_library_call_for_the_exercise_guard():
-    """Chapter 00's exercise calls dist.all_gather under the checker's guard, which refuses calls into labutils:
-    the watch's wrappers sit in between and must not count as one."""
-    assert launch(guarded_student_gather, 2, timeout=120) == [([0.0, 1.0], [])] * 2
-
-
 def start_detached_children(fail):
     import subprocess as sp
 

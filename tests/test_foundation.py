@@ -103,8 +103,10 @@ def test_strip_solution_and_checker_fail_on_blank():
     assert "x * 2" not in stripped and 'raise NotImplementedError("exercise' in stripped
     namespace = {}
     exec(stripped, namespace)
-    with pytest.raises(AssertionError, match="wrong, missing"):
+    with pytest.raises(AssertionError, match="cases wrong .*not a grade"):
         check_exercise("double", namespace["f"], lambda x: x * 2, torch.ones(2))
     check_exercise("double", lambda x: x * 2, lambda x: x * 2, torch.ones(2))
+    with pytest.raises(AssertionError, match="1 of 1 cases wrong"):                     # integers exactly
+        check_exercise("capacity", lambda n: torch.tensor(n * 1000 + 1), lambda n: torch.tensor(n * 1000), 1000)
     with pytest.raises(ValueError, match="no END"):
         strip_solution("### BEGIN SOLUTION\nx = 1\n")

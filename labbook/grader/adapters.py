@@ -21,7 +21,12 @@ MAX_ELEMENTS = 50_000_000
 
 
 class Wrong(Exception):
-    """The student's function broke a condition of the exercise (dtype, shape, no gradient path, ...)."""
+    """The student's function broke a condition of the exercise (dtype, shape, no gradient path, ...); ``rule``
+    names which: ``plain-answers`` (what may come back) or ``exercise`` (the exercise's own conditions)."""
+
+    def __init__(self, message: str, rule: str = "exercise"):
+        super().__init__(message)
+        self.rule = rule
 
 
 def _snapshot(value):
@@ -46,29 +51,30 @@ def plain(value, depth: int = 0, budget: list | None = None):
     """``value`` as plain data for the parent, or :class:`Wrong` naming what is not allowed."""
     budget = [MAX_ELEMENTS] if budget is None else budget
     if depth > 4:
-        raise Wrong("the answer is nested more than 4 levels deep")
+        raise Wrong("the answer is nested more than 4 levels deep", "plain-answers")
     kind = type(value)
     if kind is torch.Tensor:
         budget[0] -= value.numel()
         if budget[0] < 0:
-            raise Wrong(f"the answer holds more than {MAX_ELEMENTS:,} elements")
+            raise Wrong(f"the answer holds more than {MAX_ELEMENTS:,} elements", "plain-answers")
         return value.detach().cpu().clone()
     if isinstance(value, torch.Tensor):
-        raise Wrong(f"returned a {kind.__name__}, a subclass of torch.Tensor: return a plain torch.Tensor")
+        raise Wrong(f"returned a {kind.__name__}, a subclass of torch.Tensor: return a plain torch.Tensor",
+                    "plain-answers")
     if kind in (int, float, bool, type(None)):
         return value
     if kind is str:
         if len(value) > 10_000:
-            raise Wrong("the answer holds a string of over 10,000 characters")
+            raise Wrong("the answer holds a string of over 10,000 characters", "plain-answers")
         return value
     if kind in (list, tuple):
         return kind(plain(v, depth + 1, budget) for v in value)
     if kind is dict:
         if not all(type(k) is str for k in value):
-            raise Wrong("returned a dict whose keys are not all strings")
+            raise Wrong("returned a dict whose keys are not all strings", "plain-answers")
         return {k: plain(v, depth + 1, budget) for k, v in value.items()}
     raise Wrong(f"returned a {kind.__module__}.{kind.__qualname__}; expected a torch.Tensor, a number, "
-                "or a tuple of them")
+                "or a tuple of them", "plain-answers")
 
 
 def solution_line(exc: BaseException) -> int | None:
@@ -156,7 +162,7 @@ def run(adapter: str, fn, args: tuple) -> dict:
     except NotImplementedError:
         return {"kind": "blank"}
     except Wrong as exc:
-        return {"kind": "wrong", "message": str(exc)}
+        return {"kind": "wrong", "message": str(exc), "rule": exc.rule}
     except BaseException as exc:  # noqa: BLE001 - the student's code may raise anything, SystemExit included
         return {"kind": "raised", "type": type(exc).__name__, "message": str(exc)[:400],
                 "line": solution_line(exc)}

@@ -59,11 +59,17 @@ def _reply_problem(reply: dict) -> str | None:
         return "not written yet (NotImplementedError)"
     if kind == "raised":
         where = f" at line {reply['line']} of your cell" if reply.get("line") else ""
-        return f"your function raised {reply['type']}{where}: {reply['message'][:200]}"
+        said = f"your function raised {reply['type']}{where}: {reply['message'][:200]}"
+        if "grader policy" in reply["message"]:
+            return said + " -- rule 'sandbox': the grader's process refuses this"
+        if reply["type"] == "NameError":
+            return said + " -- rule 'cell-alone': the grader runs your solution cell alone, without the notebook"
+        return said
     if kind == "wrong":
-        return reply["message"]
+        return f"{reply['message']} -- rule '{reply.get('rule', 'exercise')}'"
     if kind == "mutated":
-        return "your function changed its input in place (inputs are read-only: copy before changing)"
+        return ("your function changed its input in place -- rule 'read-only-inputs': copy an input before "
+                "changing it")
     if kind != "answer":
         return f"unexpected reply {kind!r}"
     return None
@@ -87,11 +93,17 @@ def prepare(name: str, source: str) -> tuple:
     return entry, tree, None, notes
 
 
-def grade(name: str, source: str, seed: int | None = None, n_hidden: int | None = None) -> Report:
-    """Grade the solution ``source`` (the text of its cell) of exercise ``name`` (see :mod:`catalog`)."""
+def grade(name: str, source: str, seed: int | None = None, n_hidden: int | None = None,
+          case_timeout_s: float | None = None) -> Report:
+    """Grade the solution ``source`` (the text of its cell) of exercise ``name`` (see :mod:`catalog`); ``seed`` and
+    ``n_hidden`` fix the hidden cases, ``case_timeout_s`` replaces the exercise's time limit per case."""
     entry, tree, refused, notes = prepare(name, source)
     if refused is not None:
         return refused
+    if case_timeout_s is not None:
+        if not isinstance(case_timeout_s, (int, float)) or not 0 < case_timeout_s <= 3600:
+            raise ValueError(f"case_timeout_s={case_timeout_s!r}: seconds, in (0, 3600]")
+        entry = dataclasses.replace(entry, case_timeout_s=float(case_timeout_s))
     if n_hidden is not None and (not isinstance(n_hidden, int) or isinstance(n_hidden, bool) or n_hidden < 0):
         raise ValueError(f"n_hidden={n_hidden!r}: a number of hidden cases >= 0")
     seed = secrets.randbits(62) if seed is None else int(seed)
@@ -154,11 +166,12 @@ def _run_cases(entry, cases, drawn, seed, notes, ask, child) -> Report:
             try:
                 case_lines, ok = _judge(cases, label, args, ask(args), want)
             except channel.Timeout:
-                stopped = f"{label}: no answer within {entry.case_timeout_s:.0f} s (an endless loop?); stopped"
+                stopped = (f"{label}: no answer within {entry.case_timeout_s:g} s (an endless loop?) -- rule "
+                           "'time-limit'; stopped")
                 case_lines, ok = [stopped], False
                 child.stop()
             except EOFError:
-                stopped = f"{label}: {child.died()}"
+                stopped = f"{label}: {child.died()} -- rule 'crash'"
                 case_lines, ok = [stopped], False
         else:
             case_lines, ok = [f"{label}: not run ({stopped.split(': ', 1)[1]})"], False
@@ -247,10 +260,10 @@ def _run_ranks(entry, cases, label, group, per_rank, want) -> tuple:
         try:
             reply = child.wait_reply(entry.case_timeout_s)
         except channel.Timeout:
-            return lines + [f"{label}: rank {rank} gave no answer within {entry.case_timeout_s:.0f} s "
-                            "(stuck in a collective the other ranks did not call?)"], False
+            return lines + [f"{label}: rank {rank} gave no answer within {entry.case_timeout_s:g} s "
+                            "(stuck in a collective the other ranks did not call?) -- rule 'time-limit'"], False
         except EOFError:
-            return lines + [f"{label}: rank {rank}: {child.died()}"], False
+            return lines + [f"{label}: rank {rank}: {child.died()} -- rule 'crash'"], False
         rank_lines, good = _judge(cases, f"{label} rank {rank}", (), reply, list(expected))
         lines += rank_lines if not good or rank == 0 else []
         ok &= good

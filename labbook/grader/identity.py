@@ -43,7 +43,7 @@ def _normalised(code: types.CodeType) -> list:
             arg = None                                   # targets move with any edit elsewhere; the ops remain
         else:
             arg = ins.argval if isinstance(ins.argval, (str, int, float, type(None))) else repr(ins.argval)
-        ops.append((ins.opname, arg))
+        ops.append(("LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname, arg))   # compiler's choice
     return ops
 
 

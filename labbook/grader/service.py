@@ -46,7 +46,8 @@ def _fork_and_grade(grading, req: dict) -> dict:
     if pid == 0:
         os.close(r)
         try:
-            rep = grading.grade(req["exercise"], req["source"], req.get("seed"), req.get("n_hidden")).to_dict()
+            rep = grading.grade(req["exercise"], req["source"], req.get("seed"), req.get("n_hidden"),
+                                req.get("case_timeout_s")).to_dict()
             data = json.dumps({"report": rep}).encode()
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
@@ -87,11 +88,13 @@ class Service:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
                                      cwd=tempfile.gettempdir())
 
-    def grade(self, exercise: str, source: str, seed=None, n_hidden=None, timeout: float = REQUEST_TIMEOUT_S + 60):
+    def grade(self, exercise: str, source: str, seed=None, n_hidden=None, case_timeout_s=None,
+              timeout: float = REQUEST_TIMEOUT_S + 60):
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         proc = self.proc
-        req = {"exercise": exercise, "source": source, "seed": seed, "n_hidden": n_hidden}
+        req = {"exercise": exercise, "source": source, "seed": seed, "n_hidden": n_hidden,
+               "case_timeout_s": case_timeout_s}
         proc.stdin.write((json.dumps(req) + "\n").encode())
         proc.stdin.flush()
         ready = select.select([proc.stdout], [], [], timeout)[0]
@@ -117,6 +120,6 @@ class Service:
 _SERVICE = Service()
 
 
-def grade(exercise: str, source: str, seed=None, n_hidden=None) -> Report:
+def grade(exercise: str, source: str, seed=None, n_hidden=None, case_timeout_s=None) -> Report:
     """Grade through this process's service (started on first use)."""
-    return _SERVICE.grade(exercise, source, seed, n_hidden)
+    return _SERVICE.grade(exercise, source, seed, n_hidden, case_timeout_s)
