@@ -89,8 +89,13 @@ def solution_line(exc: BaseException) -> int | None:
 def with_gradients(fn, y_sorted, pos, score, grad_out):
     y = y_sorted.clone().requires_grad_()
     s = score.clone().requires_grad_()
+    pos_before = pos.clone()
     out = fn(y, pos, s)
+    if not torch.equal(pos, pos_before):             # before backward, which would trip over it less clearly
+        raise Wrong("your function changed its input `pos` in place: copy an input before changing it",
+                    "read-only-inputs")
     if type(out) is not torch.Tensor:
+        plain(out)                                   # a Tensor subclass or an odd type: named as such
         raise Wrong(f"must return a torch.Tensor, got {type(out).__name__}")
     if out.dtype != y_sorted.dtype:
         raise Wrong(f"output dtype {out.dtype}, expected {y_sorted.dtype} (the dtype of y_sorted)")

@@ -175,8 +175,9 @@ class _Checker(ast.NodeVisitor):
 
     # definitions and assignments --------------------------------------------------------------------------------
     def _def(self, node):
-        if _is_dunder(node.name) and node.name not in DUNDER_DEFS_ALLOWED:
-            self.refuse(node, "dunder-def", f"`def {node.name}`")
+        if _is_dunder(node.name):
+            if node.name not in DUNDER_DEFS_ALLOWED:
+                self.refuse(node, "dunder-def", f"`def {node.name}`")
         elif node.name.startswith("__"):
             self.refuse(node, "private", f"`def {node.name}`")
         self.generic_visit(node)

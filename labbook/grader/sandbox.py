@@ -1,10 +1,12 @@
 """The sandboxed child: it loads one solution's source and answers the cases the parent sends, under an audit
 hook (PEP 578) that nothing in the child can remove. (Part of the grader; see :mod:`labbook.grader`.)
 
-The hook refuses, for the whole life of the child: imports outside the exercise's list (torch's own lazy imports
-excepted), running code objects other than the solution's and torch's own modules, building code objects, threads,
-processes, signals, sockets, ``ctypes``, profile and trace hooks, ``gc``'s object walks, new audit hooks, and
-opening any file other than a read of Python's or torch's own files. The solution runs with builtins that lack
+The hook refuses, for the whole life of the child: imports the solution asks for outside the exercise's list
+(torch's own lazy imports pass; their files are checked), compiling or running code the solution asks for, running
+code from the book's packages, DeepSpeed or fastmoe, building code objects, processes, signals, sockets,
+``ctypes``, profile and trace hooks, ``gc``'s object walks, new audit hooks, and opening any file other than a read
+of Python's or an installed package's own files. Python 3.11 audits no thread start, so the child's thread
+starters are replaced by a refusal before the hook goes in. The solution runs with builtins that lack
 ``exec``, ``eval``, ``compile``, ``open``, ``getattr`` and friends, and an ``__import__`` that enforces the list.
 """
 from __future__ import annotations
@@ -59,10 +61,16 @@ def _under(path, roots: tuple) -> bool:
     return isinstance(path, str) and os.path.realpath(path).startswith(roots)
 
 
-def _asked_by_solution() -> bool:
-    """Whether the import under way was asked for by the solution itself (the first frame outside importlib)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+_IMPORTLIB = os.path.dirname(os.path.realpath(__import__("importlib").__file__)) + os.sep
+
+
+def _asked_by_solution(depth: int = 2, through_importlib: bool = True) -> bool:
+    """Whether the solution itself asked for what the hook sees: the first frame (``depth`` up from the caller,
+    past importlib's frames when ``through_importlib``) is the solution's."""
+    frame = sys._getframe(depth)
+    while through_importlib and frame is not None and (
+            frame.f_code.co_filename.startswith("<frozen importlib")
+            or os.path.realpath(frame.f_code.co_filename).startswith(_IMPORTLIB)):
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename == "<solution>"
 
@@ -79,9 +87,14 @@ def install_hook(policy, student_code) -> None:
                 state["student_exec"] = True
                 return
             where = getattr(code, "co_filename", "")
-            if where == "<string>" or (_under(where, readable) and not _under(where, denied)):
+            if not _asked_by_solution(through_importlib=False) and (
+                    where == "<string>" or (_under(where, readable) and not _under(where, denied))):
                 return          # modules torch imports lazily, and the named tuples they generate
             raise PermissionError(f"grader policy: running code from {where or code!r} is not allowed")
+        if event == "compile":
+            if _asked_by_solution(through_importlib=False):
+                raise PermissionError("grader policy: compiling code at run time is not allowed")
+            return
         if event == "import":
             name = args[0]
             if policy.allowed_module(name) or not _asked_by_solution():
@@ -100,6 +113,22 @@ def install_hook(policy, student_code) -> None:
             raise PermissionError(f"grader policy: {event} is not allowed")
 
     sys.addaudithook(hook)
+
+
+def _close_thread_door() -> None:
+    """Python 3.11 raises no audit event when a thread starts: the child's only ways to start one from Python are
+    replaced by a refusal (the originals are unreachable from the solution: no reflection, no ``gc``)."""
+    import _thread
+    import threading
+
+    def refused(*args, **kwargs):
+        raise PermissionError("grader policy: starting a thread is not allowed")
+
+    for module, names in ((_thread, ("start_new_thread", "start_new", "start_joinable_thread")),
+                          (threading, ("_start_new_thread", "_start_joinable_thread"))):
+        for name in names:
+            if hasattr(module, name):
+                setattr(module, name, refused)
 
 
 def namespace(policy) -> dict:
@@ -146,6 +175,7 @@ def child_main(entry, tree, rfd: int, wfd: int, outfd: int, dist_init=None) -> N
         _warm_up()
         code = compile(tree, "<solution>", "exec")
         ns = namespace(entry.policy)
+        _close_thread_door()
         install_hook(entry.policy, code)
         try:
             exec(code, ns)
