@@ -200,7 +200,8 @@ def test_grading_a_folder_in_nbgraders_layout_writes_one_row_per_student_and_exe
     honest = [solution(n) for n in ("balance_entropy", "my_steps_to_reach")]
     _notebook(subs / "alice" / "ps5" / "05_moe_vs_dense.ipynb", honest)
     _notebook(subs / "bob" / "ps5" / "05_moe_vs_dense.ipynb",
-              ["import labbook.lm_study as s\ndef my_steps_to_reach(st, lo, t):\n    return s.steps_to_reach(st, lo, t)",
+              ["import labbook.lm_study as s\ndef my_steps_to_reach(st, lo, t):\n"
+               "    return s.steps_to_reach(st, lo, t)",
                solution("balance_entropy")])
     _notebook(subs / "carol" / "ps5" / "05_moe_vs_dense.ipynb", [solution("balance_entropy")])
     rows = grade_folder(subs, tmp_path / "grades.csv")

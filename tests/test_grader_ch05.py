@@ -242,6 +242,12 @@ def test_pasted_library_code_with_every_name_changed_is_still_identity():
     fails(REACH, src, "identity")
 
 
+def test_an_answer_rounded_to_float32_is_outside_the_stated_tolerance():
+    """The exercise is graded at rtol = atol = 1e-9; float32 keeps about 7 digits (off by ~1e-5 at step 500)."""
+    fails(REACH, HONEST_REACH + "\n\ndef my_steps_to_reach(steps, losses, target):\n"
+          "    r = honest(steps, losses, target)\n    return None if r is None else float(torch.tensor(r))\n")
+
+
 def test_a_notebook_name_read_when_the_cell_loads_is_cell_alone():
     """The same NameError as above, at the cell's top level (run when the grader loads the cell)."""
     fails(REACH, """

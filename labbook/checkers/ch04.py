@@ -1,6 +1,6 @@
 """Chapter 04's exercise cases for the grader (:mod:`labbook.grader`): DeepSpeed's expert capacity as a
-Transformer's MoE layer uses it, and the top-2 balancing loss ``l_aux``. Serves notebooks/04_transformer_deepspeed.ipynb;
-red-teamed by tests/test_grader_ch04.py.
+Transformer's MoE layer uses it, and the top-2 balancing loss ``l_aux``. Serves
+notebooks/04_transformer_deepspeed.ipynb; red-teamed by tests/test_grader_ch04.py.
 
 References are DeepSpeed 0.19.8's own code, called in the grading parent: ``sharded_moe._capacity`` (through
 :func:`labbook.checkers.ch02.deepspeed_capacity`, with chapter 02's grid of float32 edge cases, so a capacity

@@ -27,7 +27,8 @@ def check(exercise: str, source: str | None = None, *, seed: int | None = None, 
     AssertionError when it fails. ``source``: the solution's text (default: the last cell run in this notebook that
     defines the function). The grading runs in a separate, sandboxed process that never sees your kernel: this is
     the same verdict the instructor's ``python -m labbook.grader grade`` gives on your saved notebook."""
-    from labbook.grader import service, source as sources
+    from labbook.grader import service
+    from labbook.grader import source as sources
 
     e = entry(exercise)
     if source is None:

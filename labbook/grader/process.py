@@ -2,6 +2,7 @@
 output drained (and kept up to a limit), ended with SIGKILL. (Part of the grader.)"""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -79,17 +80,13 @@ class Child:
         if self.status is not None:
             return
         if kill:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self._drain()
         _, self.status = os.waitpid(self.pid, 0)
         for fd in (self.to, self.reply, self.out):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     def printed_lines(self, limit: int = 12) -> list:
         if not self.printed:

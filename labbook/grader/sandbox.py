@@ -171,7 +171,8 @@ def child_main(entry, tree, rfd: int, wfd: int, outfd: int, dist_init=None) -> N
             import torch.distributed as dist
 
             store_path, rank, world = dist_init
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+            store = dist.FileStore(store_path, world)  # pyright: ignore[reportPrivateImportUsage]
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         _warm_up()
         code = compile(tree, "<solution>", "exec")
         ns = namespace(entry.policy)

@@ -93,6 +93,7 @@ class Service:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
         req = {"exercise": exercise, "source": source, "seed": seed, "n_hidden": n_hidden,
                "case_timeout_s": case_timeout_s}
         proc.stdin.write((json.dumps(req) + "\n").encode())

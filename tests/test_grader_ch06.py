@@ -1,0 +1,290 @@
+"""Red team for chapter 06's exercises (all_gather_backward, my_local_order, ds_dispatch_bytes) on the grader: the
+book's solution and honest variants pass; labutils (collectives, expert_parallel, traffic), DeepSpeed, the renamed
+coursework copy, pasted library or checker code, lookup tables of the visible cases, the notebook's globals, a
+mutated input and the chapter's known wrong answers fail, each naming the rule it broke where one applies: for the
+dispatch bytes, a capacity rounded in float64 (the chapter's old solution, issue 30), by int() or round(), or as an
+exact fraction."""
+import re
+
+import pytest
+import torch
+from redteam import fails, passes, pasted, renamed_copy, solution
+
+from labbook.checkers import ch06
+from labutils.collectives import AllGatherFunction
+from labutils.moe import traffic
+from labutils.moe.expert_parallel import local_order
+
+
+def only_hidden_wrong(report):
+    """Every visible case matched; the cases that did not are hidden ones (the shortcut fits the printed cases)."""
+    wrong = re.search(r"\(([^)]*)\); hidden seed", report.reason).group(1).replace(" ...", "").split(", ")
+    assert all(label.startswith("hidden") for label in wrong), report.text()
+
+
+def with_body(name: str, head: str, body: str) -> str:
+    """``head``, the book's solution renamed ``honest``, and ``name`` running ``body`` (``r``: the right answer)."""
+    honest = re.sub(rf"^def {name}\(", "def honest(", solution(name), flags=re.M)
+    return f"{head}\n{honest}\n\ndef {name}(*args):\n    r = honest(*args)\n{body}\n"
+
+
+@pytest.fixture(scope="module")
+def mylab(tmp_path_factory):
+    """A real renamed coursework copy exists while its test runs (it still may not be imported)."""
+    return renamed_copy(str(tmp_path_factory.mktemp("coursework")))
+
+
+@pytest.mark.parametrize("name, line", [
+    ("all_gather_backward", "all 22 cases match (12 visible, 10 hidden)"),
+    ("my_local_order", "all 15 cases match (5 visible, 10 hidden)"),
+    ("ds_dispatch_bytes", "all 18 cases match (6 visible, 12 hidden)"),
+])
+def test_the_books_solution_passes(name, line):
+    assert line in passes(name, solution(name)).text()
+
+
+@pytest.mark.parametrize("name, module", [
+    ("all_gather_backward", "from mylab.collectives import AllGatherFunction"),
+    ("my_local_order", "from mylab.moe.expert_parallel import local_order"),
+    ("ds_dispatch_bytes", "from mylab.moe import traffic"),
+])
+def test_the_renamed_copy_is_an_import(mylab, name, module):
+    assert mylab.is_dir()
+    fails(name, with_body(name, module, "    return r"), "import")
+
+
+# --- exercise 1: all_gather_backward ---------------------------------------------------------------------------
+
+GATHER = "all_gather_backward"
+GATHER_TABLE = {(tuple(c[1]), c[2], c[3], c[0][0][0, 0].item()): ch06.all_gather_backward_reference(*c).tolist()
+                for c in ch06._gather_visible()}
+
+
+@pytest.mark.parametrize("src", [
+    """
+    def all_gather_backward(upstream, sizes, rank, mode):
+        start = sum(sizes[:rank])
+        grad = sum(upstream) if mode == "sum" else upstream[rank]
+        return grad[start:start + sizes[rank]]
+    """,
+    """
+    def all_gather_backward(upstream, sizes, rank, mode):
+        d = upstream[0].shape[1]
+        x = torch.zeros(sizes[rank], d, dtype=upstream[0].dtype, requires_grad=True)
+        gathered = torch.cat([x if r == rank else torch.zeros(n, d, dtype=x.dtype) for r, n in enumerate(sizes)])
+        used = upstream if mode == "sum" else [upstream[rank]]
+        (grad,) = torch.autograd.grad(sum((g * gathered).sum() for g in used), x)
+        return grad
+    """,
+    """
+    def all_gather_backward(upstream, sizes, rank, mode):
+        total = upstream[rank].clone()
+        if mode == "sum":
+            for r, g in enumerate(upstream):
+                if r != rank:
+                    total += g
+        offsets = torch.cumsum(torch.tensor([0] + list(sizes)), 0)
+        return total.index_select(0, torch.arange(int(offsets[rank]), int(offsets[rank + 1])))
+    """,
+], ids=["offsets", "autograd", "index_select"])
+def test_all_gather_backward_honest_variants_pass(src):
+    passes(GATHER, src)
+
+
+@pytest.mark.parametrize("head, body, rule", [
+    ("from labutils.collectives import AllGatherFunction", "    return r", "import"),
+    ("import torch.distributed as dist", "    return r", "import"),
+    ("from labbook.checkers.ch06 import all_gather_backward_reference as ref", "    return ref(*args)", "import"),
+    ("", "    return grad_results[0][('per-rank', args[3])][1]", "cell-alone"),
+    ("", "    args[0][args[2]].zero_()\n    return r", "read-only-inputs"),
+    ("", "    args[1].reverse()\n    return r", "read-only-inputs"),
+    ("", "    up, sizes, rank, mode = args\n    return up[rank].split(list(sizes))[rank]", None),
+    ("", "    up, sizes, rank, mode = args\n    return torch.stack(up).sum(0).split(list(sizes))[rank]", None),
+    ("", "    up, sizes, rank, mode = args\n    return torch.stack(up).sum(0) if mode == 'sum' else up[rank]", None),
+    ("", "    up, sizes, rank, mode = args\n    g = sum(up) if mode == 'sum' else up[rank]\n"
+         "    return g[rank * sizes[rank]:(rank + 1) * sizes[rank]]", None),
+], ids=["library", "torch.distributed", "checker-reference", "notebook-global", "zeroes-upstream",
+        "reverses-sizes", "sum-mode-forgets-other-ranks", "always-sum", "no-slice", "even-offsets"])
+def test_all_gather_backward_shortcuts_fail(head, body, rule):
+    fails(GATHER, with_body(GATHER, head, body), rule)
+
+
+def test_all_gather_backward_lookup_table_fails_on_hidden_cases():
+    src = (f"TABLE = {GATHER_TABLE!r}\n\ndef all_gather_backward(upstream, sizes, rank, mode):\n"
+           "    key = (tuple(sizes), rank, mode, upstream[0][0, 0].item())\n"
+           "    return torch.tensor(TABLE.get(key, [[0.0]]), dtype=torch.float64)\n")
+    only_hidden_wrong(fails(GATHER, src))
+
+
+@pytest.mark.parametrize("fn, call", [
+    (ch06.all_gather_backward_reference, "all_gather_backward_reference(*args)"),
+    (AllGatherFunction, "AllGatherFunction.backward(None, args[0][args[2]], None)[0]"),
+], ids=["checker-reference", "AllGatherFunction"])
+def test_all_gather_backward_pasted_code_is_identity(fn, call):
+    fails(GATHER, pasted(fn, GATHER, call), "identity")
+
+
+# --- exercise 2: my_local_order --------------------------------------------------------------------------------
+
+ORDER = "my_local_order"
+ORDER_TABLE = {(tuple(c), ne): ch06.local_order_reference(torch.tensor(c), ne).tolist()
+               for c, ne in ch06.LOCAL_ORDER_VISIBLE}
+
+
+@pytest.mark.parametrize("src", [
+    """
+    def my_local_order(global_expert_count, num_expert):
+        starts = global_expert_count.cumsum(0) - global_expert_count
+        c = global_expert_count.view(-1, num_expert).t().reshape(-1)      # (expert, source) order
+        s = starts.view(-1, num_expert).t().reshape(-1)
+        within = torch.arange(int(c.sum())) - torch.repeat_interleave(c.cumsum(0) - c, c)
+        return torch.repeat_interleave(s, c) + within
+    """,
+    """
+    def my_local_order(global_expert_count, num_expert):
+        counts = global_expert_count.tolist()
+        world = len(counts) // num_expert
+        starts, total = [], 0
+        for c in counts:
+            starts.append(total)
+            total += c
+        order = []
+        for e in range(num_expert):
+            for s in range(world):
+                b = s * num_expert + e
+                order.extend(range(starts[b], starts[b] + counts[b]))
+        return torch.tensor(order, dtype=torch.long)
+    """,
+    """
+    def my_local_order(global_expert_count, num_expert):
+        n = global_expert_count.numel()
+        block = torch.arange(n).repeat_interleave(global_expert_count)    # received row -> its block
+        return ((block % num_expert) * n + block).argsort(stable=True)     # by expert, then source
+    """,
+], ids=["repeat_interleave", "python-loops", "argsort-key"])
+def test_my_local_order_honest_variants_pass(src):
+    passes(ORDER, src)
+
+
+@pytest.mark.parametrize("head, body, rule", [
+    ("from labutils.moe.expert_parallel import local_order", "    return local_order(*args)", "import"),
+    ("from labutils.moe import expert_parallel as parallel", "    return parallel.local_order(*args)", "import"),
+    ("from labutils.moe.functions import count_by_gate", "    return r", "import"),
+    ("", "    return perm", "cell-alone"),
+    ("", "    args[0].zero_()\n    return torch.zeros(0, dtype=torch.long)", "read-only-inputs"),
+    ("", "    return torch.arange(int(args[0].sum()))", None),
+    ("", "    gec, ne = args\n    world = gec.numel() // ne\n    starts = gec.cumsum(0) - gec\n"
+         "    return torch.cat([torch.arange(int(starts[e * world + s]), int(starts[e * world + s] + "
+         "gec[e * world + s])) for e in range(ne) for s in range(world)] + [torch.zeros(0, dtype=torch.long)])",
+     None),
+    ("", "    gec, ne = args\n    world = gec.numel() // ne\n"
+         "    block = torch.arange(gec.numel()).repeat_interleave(gec)\n"
+         "    return torch.argsort((block % ne) * world + (world - 1 - block // ne), stable=True)", None),
+    ("", "    return r.double()", None),
+], ids=["library", "library-module", "sibling-count_by_gate", "notebook-perm", "zeroes-counts",
+        "grouped-by-rank", "blocks-read-as-expert-major", "sources-reversed", "float-indices"])
+def test_my_local_order_shortcuts_fail(head, body, rule):
+    fails(ORDER, with_body(ORDER, head, body), rule)
+
+
+def test_my_local_order_lookup_table_fails_on_hidden_cases():
+    src = (f"TABLE = {ORDER_TABLE!r}\n\ndef my_local_order(global_expert_count, num_expert):\n"
+           "    key = (tuple(global_expert_count.tolist()), num_expert)\n"
+           "    return torch.tensor(TABLE.get(key, []), dtype=torch.long)\n")
+    only_hidden_wrong(fails(ORDER, src))
+
+
+@pytest.mark.parametrize("fn", [local_order, ch06.local_order_reference], ids=["local_order", "checker-reference"])
+def test_my_local_order_pasted_code_is_identity(fn):
+    fails(ORDER, pasted(fn, ORDER, f"{fn.__name__}(*args)"), "identity")
+
+
+def test_pasted_local_order_with_every_name_changed_is_still_identity():
+    src = pasted(local_order, ORDER, "order(*args)")
+    for old, new in (("local_order", "order"), ("global_expert_count", "gec"), ("num_expert", "ne"),
+                     ("counts", "c"), ("block", "b"), ("src", "s"), ("expert", "x"), ("world", "w")):
+        src = re.sub(rf"\b{old}\b", new, src)
+    src = re.sub(r'""".*?"""', '"""mine"""', src, flags=re.S)
+    assert "local_order" not in src.replace(ORDER, "")
+    fails(ORDER, src, "identity")
+
+
+# --- exercise 3: ds_dispatch_bytes -----------------------------------------------------------------------------
+
+BYTES = "ds_dispatch_bytes"
+FLOAT64 = """
+def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):
+    capacity = max(CAPACITY, 4)
+    return E * capacity * d * elem * (W - 1) // W
+"""
+BYTES_TABLE = {c: ch06.deepspeed_dispatch_bytes(*c) for c in ch06.DISPATCH_BYTES_VISIBLE}
+
+
+@pytest.mark.parametrize("src", [
+    """
+    def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):
+        per_expert = torch.tensor(tokens / E, dtype=torch.float32) * torch.tensor(cf * k, dtype=torch.float32)
+        capacity = max(math.ceil(per_expert.item()), 4)
+        return (E - E // W) * capacity * d * elem          # the buffer's slots of the experts on other ranks
+    """,
+    """
+    def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):
+        c = torch.full((), tokens / E, dtype=torch.float32).mul(cf * k).ceil().long().clamp(min=4)
+        return (E * d * elem * (W - 1) * c) // W
+    """,
+], ids=["float32-tensors", "tensor-chain"])
+def test_ds_dispatch_bytes_honest_variants_pass(src):
+    passes(BYTES, src)
+
+
+@pytest.mark.parametrize("src, rule", [
+    ("from labutils.moe import traffic\n\ndef ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):\n"
+     "    return traffic.deepspeed_bytes(tokens, E, W, d, elem, cf, top_k=k)\n", "import"),
+    ("from labutils.ds.gating import ds_capacity\n" + FLOAT64.replace("CAPACITY", "ds_capacity(tokens, E, cf, k)"),
+     "import"),
+    ("from deepspeed.moe import sharded_moe\n" + FLOAT64.replace(
+        "CAPACITY", "int(sharded_moe._capacity(torch.empty(tokens, E), torch.tensor(cf * k), torch.tensor(4)))"),
+     "import"),
+    ("from labbook.checkers import ch02\n" + FLOAT64.replace(
+        "CAPACITY", "ch02.deepspeed_capacity(tokens, E, cf, k, 4)"), "import"),
+    ("def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):\n    return ds_bytes['cf 1.0']\n", "cell-alone"),
+    (FLOAT64.replace("CAPACITY", "int(tokens / E * cf * k)"), None),
+    (FLOAT64.replace("CAPACITY", "round(tokens / E * cf * k)"), None),
+    (FLOAT64.replace("CAPACITY", "-(-(tokens * round(cf * 100) * k) // (E * 100))"), None),
+    (FLOAT64.replace("CAPACITY", "int(torch.ceil((tokens / E) * torch.tensor(cf * k)))").replace(
+        " * (W - 1) // W", ""), None),
+    (FLOAT64.replace("CAPACITY", "int(torch.ceil((tokens / E) * torch.tensor(cf * k)))").replace(", 4)", ", 0)"),
+     None),
+], ids=["library-traffic", "sibling-ds_capacity", "deepspeed", "checker-ch02", "notebook-ds_bytes",
+        "int-capacity", "round-capacity", "exact-fraction", "own-experts-included", "no-minimum-capacity"])
+def test_ds_dispatch_bytes_shortcuts_fail(src, rule):
+    fails(BYTES, src, rule)
+
+
+def test_ds_dispatch_bytes_as_a_float_is_not_a_count_of_bytes():
+    fails(BYTES, solution(BYTES).replace("return torch.tensor(", "return float("), says="an integer answer expected")
+
+
+def test_the_issue_example_is_visible_and_the_old_float64_solution_misses_it():
+    case = (25, 2, 2, 8, 4, 1.2, 1)                                # issue 30: DeepSpeed's C is 16, float64's 15
+    assert ch06.DISPATCH_BYTES_VISIBLE.index(case) == 3
+    report = fails(BYTES, FLOAT64.replace("CAPACITY", "math.ceil(tokens / E * cf * k)"))
+    assert "case 3" in report.reason and "rule '" not in report.text()
+
+
+def test_the_old_solution_fails_on_hidden_cases_alone():
+    """A lookup table of the visible cases, float64 elsewhere: the float32 edge cases are drawn hidden too."""
+    src = (f"TABLE = {BYTES_TABLE!r}\n" + FLOAT64.replace("capacity = max(CAPACITY, 4)", "if (tokens, E, W, d, elem, "
+           "cf, k) in TABLE:\n        return TABLE[(tokens, E, W, d, elem, cf, k)]\n"
+           "    capacity = max(math.ceil(tokens / E * cf * k), 4)"))
+    only_hidden_wrong(fails(BYTES, src))
+
+
+@pytest.mark.parametrize("fn, call, rule", [
+    (traffic.deepspeed_capacity, "args[1] * deepspeed_capacity(args[0], args[1], args[5], args[6], 4) * args[3] "
+     "* args[4] * (args[2] - 1) // args[2]", "identity"),
+    (traffic.deepspeed_bytes, "deepspeed_bytes(*args[:6], top_k=args[6])", "cell-alone"),         # too short:
+    (ch06.deepspeed_dispatch_bytes, "deepspeed_dispatch_bytes(*args)", "cell-alone"),            # its callee is gone
+], ids=["traffic.deepspeed_capacity", "traffic.deepspeed_bytes", "checker-reference"])
+def test_ds_dispatch_bytes_pasted_code_is_refused(fn, call, rule):
+    fails(BYTES, pasted(fn, BYTES, call), rule)
