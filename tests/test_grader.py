@@ -243,3 +243,27 @@ def test_every_exercise_of_the_book_is_in_the_catalogue_and_has_cases():
     assert defined == {n: e.chapter for n, e in catalog.ENTRIES.items()}
     for e in catalog.ENTRIES.values():
         assert e.function in importlib.import_module(f"labbook.checkers.ch{e.chapter}").CASES
+
+
+def test_the_nbgrader_preprocessor_grades_out_of_the_kernel_and_marks_failures_as_errors():
+    """After nbgrader's Execute, a student kernel that printed a tick in the checker cell does not decide: the
+    preprocessor replaces the autograded cells' outputs with the grader's verdict on the solution text (an error
+    output, nbgrader's "no credit", when it fails)."""
+    import nbformat
+
+    from labbook.grader.nbgrader import LabGrader
+
+    def cells(solution_src):
+        sol = nbformat.v4.new_code_cell(solution_src, metadata={"nbgrader": {"solution": True, "grade": False}})
+        chk = nbformat.v4.new_code_cell('check("linear_params")',
+                                        metadata={"nbgrader": {"grade": True, "solution": False, "points": 1}})
+        chk.outputs = [nbformat.v4.new_output("stream", name="stdout", text="✅ faked by the student's kernel\n")]
+        return nbformat.v4.new_notebook(cells=[sol, chk])
+
+    good, _ = LabGrader().preprocess(cells(solution("linear_params")), {})
+    assert [o.output_type for o in good.cells[1].outputs] == ["stream"]
+    assert "✅ linear_params: all 11 cases match" in good.cells[1].outputs[0].text
+    bad, _ = LabGrader().preprocess(cells("def linear_params(a, b, bias=True):\n    return a * b\n"), {})
+    kinds = [o.output_type for o in bad.cells[1].outputs]
+    assert kinds == ["stream", "error"] and "faked" not in bad.cells[1].outputs[0].text
+    assert bad.cells[0].outputs == []                         # the solution cell is left as it is

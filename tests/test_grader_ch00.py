@@ -208,7 +208,8 @@ def test_linear_params_renamed_copy_is_an_import(copy_on_disk):
 
 
 def test_linear_params_lookup_table_fits_only_the_visible_cases():
-    src = f"TABLE = {LINEAR_TABLE!r}\n\ndef linear_params(d_in, d_out, bias=True):\n    return TABLE.get((d_in, d_out, bias), 0)\n"
+    src = (f"TABLE = {LINEAR_TABLE!r}\n\ndef linear_params(d_in, d_out, bias=True):\n"
+           "    return TABLE.get((d_in, d_out, bias), 0)\n")
     only_hidden_wrong(fails(LINEAR, src))
 
 

@@ -155,11 +155,6 @@ SHORTCUTS = {  # (exercise, id): (source, rule, phrase the report must hold)
             for j, e in enumerate(idx[t].tolist()):
                 y[t] += p[t, j] * (W2[e] @ F.gelu(W1[e] @ x[t] + b1[e]) + b2[e])
         return y"""), None, None),
-    (MOE, "relu-for-gelu"): (_body(MOE, "x, w_gate, b_gate, W1, b1, W2, b2, k", """
-        val, idx = torch.topk(x @ w_gate.T + b_gate, k, dim=-1)
-        gates = torch.zeros(x.shape[0], w_gate.shape[0]).scatter(1, idx, torch.softmax(val, -1))
-        hid = torch.relu(torch.einsum("td,ehd->teh", x, W1) + b1)
-        return torch.einsum("te,ted->td", gates, torch.einsum("teh,edh->ted", hid, W2) + b2)"""), None, None),
     (SWITCH, "balance_loss"): (_body(SWITCH, "lg", "return balance_loss(lg.softmax(-1), lg.argmax(-1, keepdim=True))",
                                      "from labutils.moe.modern.losses import balance_loss"), "import", None),
     (SWITCH, "SwitchGate"): (_body(SWITCH, "lg", "return SwitchGate(lg.shape[1], lg.shape[1]).get_loss()",

@@ -1,9 +1,6 @@
-"""Red team for chapter 06's exercises (all_gather_backward, my_local_order, ds_dispatch_bytes) on the grader: the
-book's solution and honest variants pass; labutils (collectives, expert_parallel, traffic), DeepSpeed, the renamed
-coursework copy, pasted library or checker code, lookup tables of the visible cases, the notebook's globals, a
-mutated input and the chapter's known wrong answers fail, each naming the rule it broke where one applies: for the
-dispatch bytes, a capacity rounded in float64 (the chapter's old solution, issue 30), by int() or round(), or as an
-exact fraction."""
+"""Red team for chapter 06's exercises on the grader: the book's solution and honest variants pass; labutils,
+DeepSpeed, the renamed copy, pasted library or checker code, lookup tables, the notebook's globals, mutated inputs
+and the known wrong answers (for the bytes: a capacity in float64, issue 30, by int() or round()) fail."""
 import re
 
 import pytest
@@ -16,6 +13,13 @@ from labutils.moe import traffic
 from labutils.moe.expert_parallel import local_order
 
 
+def wrong(name, src):
+    """``src`` runs and answers every case, and some answers are wrong: no rule broken, nothing raised."""
+    report = fails(name, src)
+    assert "rule '" not in report.text() and "raised" not in report.text(), report.text()
+    return report
+
+
 def only_hidden_wrong(report):
     """Every visible case matched; the cases that did not are hidden ones (the shortcut fits the printed cases)."""
     wrong = re.search(r"\(([^)]*)\); hidden seed", report.reason).group(1).replace(" ...", "").split(", ")
@@ -26,12 +30,6 @@ def with_body(name: str, head: str, body: str) -> str:
     """``head``, the book's solution renamed ``honest``, and ``name`` running ``body`` (``r``: the right answer)."""
     honest = re.sub(rf"^def {name}\(", "def honest(", solution(name), flags=re.M)
     return f"{head}\n{honest}\n\ndef {name}(*args):\n    r = honest(*args)\n{body}\n"
-
-
-@pytest.fixture(scope="module")
-def mylab(tmp_path_factory):
-    """A real renamed coursework copy exists while its test runs (it still may not be imported)."""
-    return renamed_copy(str(tmp_path_factory.mktemp("coursework")))
 
 
 @pytest.mark.parametrize("name, line", [
@@ -48,8 +46,8 @@ def test_the_books_solution_passes(name, line):
     ("my_local_order", "from mylab.moe.expert_parallel import local_order"),
     ("ds_dispatch_bytes", "from mylab.moe import traffic"),
 ])
-def test_the_renamed_copy_is_an_import(mylab, name, module):
-    assert mylab.is_dir()
+def test_the_renamed_copy_is_an_import(tmp_path_factory, name, module):
+    assert renamed_copy(str(tmp_path_factory.mktemp("coursework"))).is_dir()     # on disk, and still refused
     fails(name, with_body(name, module, "    return r"), "import")
 
 
@@ -106,22 +104,8 @@ def test_all_gather_backward_honest_variants_pass(src):
 ], ids=["library", "torch.distributed", "checker-reference", "notebook-global", "zeroes-upstream",
         "reverses-sizes", "sum-mode-forgets-other-ranks", "always-sum", "no-slice", "even-offsets"])
 def test_all_gather_backward_shortcuts_fail(head, body, rule):
-    fails(GATHER, with_body(GATHER, head, body), rule)
-
-
-def test_all_gather_backward_lookup_table_fails_on_hidden_cases():
-    src = (f"TABLE = {GATHER_TABLE!r}\n\ndef all_gather_backward(upstream, sizes, rank, mode):\n"
-           "    key = (tuple(sizes), rank, mode, upstream[0][0, 0].item())\n"
-           "    return torch.tensor(TABLE.get(key, [[0.0]]), dtype=torch.float64)\n")
-    only_hidden_wrong(fails(GATHER, src))
-
-
-@pytest.mark.parametrize("fn, call", [
-    (ch06.all_gather_backward_reference, "all_gather_backward_reference(*args)"),
-    (AllGatherFunction, "AllGatherFunction.backward(None, args[0][args[2]], None)[0]"),
-], ids=["checker-reference", "AllGatherFunction"])
-def test_all_gather_backward_pasted_code_is_identity(fn, call):
-    fails(GATHER, pasted(fn, GATHER, call), "identity")
+    src = with_body(GATHER, head, body)
+    fails(GATHER, src, rule) if rule else wrong(GATHER, src)
 
 
 # --- exercise 2: my_local_order --------------------------------------------------------------------------------
@@ -142,17 +126,10 @@ ORDER_TABLE = {(tuple(c), ne): ch06.local_order_reference(torch.tensor(c), ne).t
     """,
     """
     def my_local_order(global_expert_count, num_expert):
-        counts = global_expert_count.tolist()
-        world = len(counts) // num_expert
-        starts, total = [], 0
-        for c in counts:
-            starts.append(total)
-            total += c
-        order = []
+        counts, order = global_expert_count.tolist(), []
         for e in range(num_expert):
-            for s in range(world):
-                b = s * num_expert + e
-                order.extend(range(starts[b], starts[b] + counts[b]))
+            for b in range(e, len(counts), num_expert):                   # source s's block: s * num_expert + e
+                order.extend(range(sum(counts[:b]), sum(counts[:b + 1])))
         return torch.tensor(order, dtype=torch.long)
     """,
     """
@@ -184,19 +161,8 @@ def test_my_local_order_honest_variants_pass(src):
 ], ids=["library", "library-module", "sibling-count_by_gate", "notebook-perm", "zeroes-counts",
         "grouped-by-rank", "blocks-read-as-expert-major", "sources-reversed", "float-indices"])
 def test_my_local_order_shortcuts_fail(head, body, rule):
-    fails(ORDER, with_body(ORDER, head, body), rule)
-
-
-def test_my_local_order_lookup_table_fails_on_hidden_cases():
-    src = (f"TABLE = {ORDER_TABLE!r}\n\ndef my_local_order(global_expert_count, num_expert):\n"
-           "    key = (tuple(global_expert_count.tolist()), num_expert)\n"
-           "    return torch.tensor(TABLE.get(key, []), dtype=torch.long)\n")
-    only_hidden_wrong(fails(ORDER, src))
-
-
-@pytest.mark.parametrize("fn", [local_order, ch06.local_order_reference], ids=["local_order", "checker-reference"])
-def test_my_local_order_pasted_code_is_identity(fn):
-    fails(ORDER, pasted(fn, ORDER, f"{fn.__name__}(*args)"), "identity")
+    src = with_body(ORDER, head, body)
+    fails(ORDER, src, rule) if rule else wrong(ORDER, src)
 
 
 def test_pasted_local_order_with_every_name_changed_is_still_identity():
@@ -258,7 +224,7 @@ def test_ds_dispatch_bytes_honest_variants_pass(src):
 ], ids=["library-traffic", "sibling-ds_capacity", "deepspeed", "checker-ch02", "notebook-ds_bytes",
         "int-capacity", "round-capacity", "exact-fraction", "own-experts-included", "no-minimum-capacity"])
 def test_ds_dispatch_bytes_shortcuts_fail(src, rule):
-    fails(BYTES, src, rule)
+    fails(BYTES, src, rule) if rule else wrong(BYTES, src)
 
 
 def test_ds_dispatch_bytes_as_a_float_is_not_a_count_of_bytes():
@@ -268,23 +234,40 @@ def test_ds_dispatch_bytes_as_a_float_is_not_a_count_of_bytes():
 def test_the_issue_example_is_visible_and_the_old_float64_solution_misses_it():
     case = (25, 2, 2, 8, 4, 1.2, 1)                                # issue 30: DeepSpeed's C is 16, float64's 15
     assert ch06.DISPATCH_BYTES_VISIBLE.index(case) == 3
-    report = fails(BYTES, FLOAT64.replace("CAPACITY", "math.ceil(tokens / E * cf * k)"))
-    assert "case 3" in report.reason and "rule '" not in report.text()
+    report = wrong(BYTES, FLOAT64.replace("CAPACITY", "math.ceil(tokens / E * cf * k)"))
+    assert "case 3" in report.reason
 
 
-def test_the_old_solution_fails_on_hidden_cases_alone():
-    """A lookup table of the visible cases, float64 elsewhere: the float32 edge cases are drawn hidden too."""
-    src = (f"TABLE = {BYTES_TABLE!r}\n" + FLOAT64.replace("capacity = max(CAPACITY, 4)", "if (tokens, E, W, d, elem, "
-           "cf, k) in TABLE:\n        return TABLE[(tokens, E, W, d, elem, cf, k)]\n"
-           "    capacity = max(math.ceil(tokens / E * cf * k), 4)"))
-    only_hidden_wrong(fails(BYTES, src))
+# --- every exercise: a lookup table of the visible cases, pasted library and checker code ----------------------
+
+LOOKUPS = {
+    GATHER: f"TABLE = {GATHER_TABLE!r}\n\ndef all_gather_backward(upstream, sizes, rank, mode):\n"
+            "    key = (tuple(sizes), rank, mode, upstream[0][0, 0].item())\n"
+            "    return torch.tensor(TABLE.get(key, [[0.0]]), dtype=torch.float64)\n",
+    ORDER: f"TABLE = {ORDER_TABLE!r}\n\ndef my_local_order(global_expert_count, num_expert):\n"
+           "    key = (tuple(global_expert_count.tolist()), num_expert)\n"
+           "    return torch.tensor(TABLE.get(key, []), dtype=torch.long)\n",
+    BYTES: f"TABLE = {BYTES_TABLE!r}\n" + FLOAT64.replace(    # float64 elsewhere, the old solution (issue 30)
+        "capacity = max(CAPACITY, 4)", "if (tokens, E, W, d, elem, cf, k) in TABLE:\n"
+        "        return TABLE[(tokens, E, W, d, elem, cf, k)]\n    capacity = max(math.ceil(tokens / E * cf * k), 4)"),
+}
 
 
-@pytest.mark.parametrize("fn, call, rule", [
-    (traffic.deepspeed_capacity, "args[1] * deepspeed_capacity(args[0], args[1], args[5], args[6], 4) * args[3] "
-     "* args[4] * (args[2] - 1) // args[2]", "identity"),
-    (traffic.deepspeed_bytes, "deepspeed_bytes(*args[:6], top_k=args[6])", "cell-alone"),         # too short:
-    (ch06.deepspeed_dispatch_bytes, "deepspeed_dispatch_bytes(*args)", "cell-alone"),            # its callee is gone
-], ids=["traffic.deepspeed_capacity", "traffic.deepspeed_bytes", "checker-reference"])
-def test_ds_dispatch_bytes_pasted_code_is_refused(fn, call, rule):
-    fails(BYTES, pasted(fn, BYTES, call), rule)
+@pytest.mark.parametrize("name", LOOKUPS)
+def test_a_lookup_table_of_the_visible_cases_fails_on_hidden_cases(name):
+    only_hidden_wrong(wrong(name, LOOKUPS[name]))
+
+
+@pytest.mark.parametrize("name, fn, call, rule", [
+    (GATHER, ch06.all_gather_backward_reference, "all_gather_backward_reference(*args)", "identity"),
+    (GATHER, AllGatherFunction, "AllGatherFunction.backward(None, args[0][args[2]], None)[0]", "identity"),
+    (ORDER, local_order, "local_order(*args)", "identity"),
+    (ORDER, ch06.local_order_reference, "local_order_reference(*args)", "identity"),
+    (BYTES, traffic.deepspeed_capacity, "args[1] * deepspeed_capacity(args[0], args[1], args[5], args[6], 4) "
+     "* args[3] * args[4] * (args[2] - 1) // args[2]", "identity"),
+    (BYTES, traffic.deepspeed_bytes, "deepspeed_bytes(*args[:6], top_k=args[6])", "cell-alone"),  # too short for
+    (BYTES, ch06.deepspeed_dispatch_bytes, "deepspeed_dispatch_bytes(*args)", "cell-alone"),     # identity; callee gone
+], ids=["gather-checker-reference", "AllGatherFunction", "local_order", "order-checker-reference",
+        "traffic.deepspeed_capacity", "traffic.deepspeed_bytes", "bytes-checker-reference"])
+def test_pasted_library_and_checker_code_is_refused(name, fn, call, rule):
+    fails(name, pasted(fn, name, call), rule)
