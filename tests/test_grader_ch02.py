@@ -196,17 +196,17 @@ def test_wrong_dispatch_buffers_fail(case):
     fails("my_dispatch", WRONG_DISPATCH[case], RULES[case], n_hidden=2)
 
 
+# DeepSpeed's `_capacity` (33 instructions) and labutils' `deepspeed_capacity` (29) are under identity's floor
+# (labbook.grader.identity.MIN_INSTRUCTIONS): three lines of the formula are what an honest student writes too
+# (test_an_honest_capacity_written_like_the_library_passes), so pasting them is not told apart from writing them.
 @pytest.mark.parametrize("name, fn, call, rule", [
-    ("my_capacity", deepspeed_capacity, "deepspeed_capacity(*args)", "identity"),
-    ("my_capacity", sharded_moe._capacity,
-     "_capacity(torch.empty(args[0], args[1]), torch.tensor(args[2] * args[3]), torch.tensor(args[4]))", "identity"),
     ("my_top1_l_aux", top1_routing, "top1_routing(args[0], 1.0, 0).l_aux", "identity"),
     ("my_top1_l_aux", topk_routing, "topk_routing(args[0], 1, 1.0, 0).l_aux", "identity"),
     ("my_top1_l_aux", balance_loss, "balance_loss(args[0].softmax(1), args[0].argmax(1, keepdim=True))", "identity"),
     ("my_top1_l_aux", sharded_moe.top1gating, "top1gating(args[0], 1.0, 0, use_rts=False)[0]", "private"),
     ("my_dispatch", sharded_moe._sparse_encode, "_sparse_encode(args[0], None, args[3], args[4])", "identity"),
     ("my_dispatch", Routing.combine_weights, "combine_weights(None)", "identity"),
-], ids=["labutils-deepspeed_capacity", "ds-_capacity", "top1_routing", "topk_routing", "balance_loss",
+], ids=["top1_routing", "topk_routing", "balance_loss",
         "ds-top1gating", "ds-_sparse_encode", "Routing.combine_weights"])
 def test_pasted_library_code_is_refused(name, fn, call, rule):
     fails(name, pasted(fn, name, call), rule)

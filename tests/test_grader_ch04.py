@@ -12,7 +12,6 @@ from redteam import ROOT, fails, passes, pasted, renamed_copy, solution
 
 from labbook.checkers import ch02, ch04
 from labutils.ds.gating import top1_routing, top2_routing
-from labutils.moe.capacity import deepspeed_capacity
 
 sharded_moe = ch02._sharded_moe()
 CHAPTER = "04_transformer_deepspeed.ipynb"
@@ -159,16 +158,14 @@ def test_shortcuts_fail(case):
     fails(name, src, rule)
 
 
+# the capacity formulas (DeepSpeed's `_capacity`, labutils' `deepspeed_capacity`) are under identity's floor: see
+# test_grader_ch02.py
 @pytest.mark.parametrize("name, fn, call, rule", [
-    ("ds_capacity", deepspeed_capacity, "deepspeed_capacity(args[0], args[1], args[3], args[2], *args[4:])",
-     "identity"),
-    ("ds_capacity", sharded_moe._capacity, "_capacity(torch.empty(args[0], args[1]), torch.tensor(args[3] * args[2]), "
-     "torch.tensor(args[4] if len(args) > 4 else 4))", "identity"),
     ("top2_l_aux", top2_routing, "top2_routing(args[0], 1.0, 0).l_aux", "identity"),
     ("top2_l_aux", top1_routing, "top1_routing(args[0], 1.0, 0).l_aux", "identity"),
     ("top2_l_aux", sharded_moe.top2gating, "top2gating(args[0], 1.0, 0, top2_2nd_expert_sampling=False)[0]",
      "private"),
-], ids=["labutils-deepspeed_capacity", "ds-_capacity", "top2_routing", "top1_routing", "ds-top2gating"])
+], ids=["top2_routing", "top1_routing", "ds-top2gating"])
 def test_pasted_library_code_is_refused(name, fn, call, rule):
     fails(name, pasted(fn, name, call), rule)
 
