@@ -49,7 +49,8 @@ def test_each_rule_refuses_with_the_line_and_the_rule_named(src, rule):
 
 def test_allowed_code_passes_and_top_level_expressions_are_noted_not_run():
     src = ("import math\nimport torch.nn.functional as F\nfrom torch import nn\nclass Box:\n    def __init__(self):\n"
-           "        self.v = 1\nprint('demo')\ndef f(x):\n    return F.gelu(x) + math.pi + x.sum()\n")
+           "        self.v = 1\nprint('demo')\ndef f(x):\n    m = torch.zeros(2)\n    m[torch.arange(2)], a = 1.0, 2\n"
+           "    return F.gelu(x) + math.pi + x.sum() + m.sum() + a\n")
     tree, found, notes = policy.check_source(src, "f", catalog.STANDARD)
     assert found == [] and len(notes) == 1 and "line 7" in notes[0] and "not run" in notes[0]
     assert not any(getattr(s, "lineno", 0) == 7 for s in tree.body)

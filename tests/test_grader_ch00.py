@@ -9,7 +9,7 @@ import pytest
 from redteam import fails, passes, pasted, renamed_copy, solution
 
 from labbook.checkers import ch00
-from labutils.collectives import all_gather, all_gather_same_dim
+from labutils.collectives import all_gather_same_dim, all_gather_variable_dim
 from labutils.params import count_params
 
 
@@ -123,8 +123,8 @@ def test_gather_values_renamed_copy_is_an_import(copy_on_disk):
 @pytest.mark.dist
 @pytest.mark.parametrize("fn, call", [
     (all_gather_same_dim, "torch.stack(all_gather_same_dim(args[0]))"),
-    (all_gather, "all_gather(args[0].unsqueeze(0))"),
-], ids=["all_gather_same_dim", "all_gather"])
+    (all_gather_variable_dim, "all_gather_variable_dim(args[0].unsqueeze(0))[0]"),
+], ids=["all_gather_same_dim", "all_gather_variable_dim"])
 def test_gather_values_pasted_library_code_is_identity(fn, call):
     fails(GATHER, pasted(fn, GATHER, call), "identity")
 
@@ -213,9 +213,8 @@ def test_linear_params_lookup_table_fits_only_the_visible_cases():
     only_hidden_wrong(fails(LINEAR, src))
 
 
-@pytest.mark.parametrize("fn, call, rule", [
-    (count_params, "count_params(torch.nn.Linear(*args, device='meta')).total", "exercise"),
-    (ch00._linear_params_reference, "_linear_params_reference(*args)", None),
-], ids=["labutils.params.count_params", "checker-reference"])
-def test_linear_params_pasted_code_is_refused(fn, call, rule):
-    fails(LINEAR, pasted(fn, LINEAR, call), rule, says="rule '")
+def test_linear_params_pasted_count_params_is_refused():
+    """Pasted count_params counts a built layer's parameters: the exercise's own rule refuses it. (The checker's
+    two-line reference is formula-sized, under identity's floor: pasting it is writing the formula.)"""
+    fails(LINEAR, pasted(count_params, LINEAR, "count_params(torch.nn.Linear(*args, device='meta')).total"),
+          "exercise")

@@ -150,11 +150,9 @@ SHORTCUTS = {  # (exercise, id): (source, rule, phrase the report must hold)
                                                  ".reference_moe(x)"), "module-escape", None),
     (MOE, "softmax-over-all-E"): (_body(MOE, "x, w_gate, b_gate, W1, b1, W2, b2, k", """
         p, idx = torch.topk(torch.softmax(x @ w_gate.T + b_gate, -1), k, dim=-1)    # SwitchGate's scores
-        y = torch.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j, e in enumerate(idx[t].tolist()):
-                y[t] += p[t, j] * (W2[e] @ F.gelu(W1[e] @ x[t] + b1[e]) + b2[e])
-        return y"""), None, None),
+        gates = torch.zeros(x.shape[0], w_gate.shape[0]).scatter(1, idx, p)
+        out = torch.einsum("teh,edh->ted", F.gelu(torch.einsum("td,ehd->teh", x, W1) + b1), W2) + b2
+        return torch.einsum("te,ted->td", gates, out)"""), None, None),
     (SWITCH, "balance_loss"): (_body(SWITCH, "lg", "return balance_loss(lg.softmax(-1), lg.argmax(-1, keepdim=True))",
                                      "from labutils.moe.modern.losses import balance_loss"), "import", None),
     (SWITCH, "SwitchGate"): (_body(SWITCH, "lg", "return SwitchGate(lg.shape[1], lg.shape[1]).get_loss()",
@@ -220,9 +218,14 @@ def test_shortcuts_fail(name, shortcut):
     fails(name, src, rule, says)
 
 
+@pytest.fixture(scope="module")
+def copy_on_disk(tmp_path_factory):
+    """A real renamed coursework copy exists on this machine while its shortcut is graded (it still may not be used)."""
+    return renamed_copy(str(tmp_path_factory.mktemp("coursework")))
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_the_renamed_copy_is_an_import(name, tmp_path_factory):
-    renamed_copy(str(tmp_path_factory.mktemp("coursework")))
+def test_the_renamed_copy_is_an_import(name, copy_on_disk):
     fails(name, "import mylab.labutils.moe as lab\n" + solution(name), "import")
 
 

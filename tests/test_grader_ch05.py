@@ -10,6 +10,8 @@ from redteam import fails, passes, pasted, renamed_copy, solution
 from labbook import lm_study, train_modern
 from labbook.checkers import ch05
 
+ENTROPY, REACH = "balance_entropy", "my_steps_to_reach"
+
 
 def wrong(name, src):
     """``src`` runs and answers every case, and some answers are wrong: no rule broken, nothing raised."""
@@ -24,15 +26,25 @@ def only_hidden_wrong(report):
     assert all(label.startswith("hidden") for label in wrong), report.text()
 
 
+def with_body(name: str, head: str, body: str) -> str:
+    """``head``, the book's solution renamed ``honest``, and ``name`` running ``body`` (``r``: the right answer)."""
+    honest = re.sub(rf"^def {name}\(", "def honest(", solution(name), flags=re.M)
+    return f"{head}\n{honest}\n\ndef {name}(*args):\n    r = honest(*args)\n{body}\n"
+
+
+@pytest.mark.parametrize("name, line", [(ENTROPY, "all 13 cases match (3 visible, 10 hidden)"),
+                                        (REACH, "all 18 cases match (6 visible, 12 hidden)")])
+def test_the_books_solution_passes(name, line):
+    assert line in passes(name, solution(name)).text()
+
+
+@pytest.mark.parametrize("name", [ENTROPY, REACH])
+def test_the_renamed_copy_is_an_import(tmp_path_factory, name):
+    assert renamed_copy(str(tmp_path_factory.mktemp("coursework"))).is_dir()     # on disk, and still refused
+    fails(name, with_body(name, "import mylab.moe as lab", "    return r"), "import")
+
+
 # --- exercise 1: balance_entropy ------------------------------------------------------------------------------
-
-ENTROPY = "balance_entropy"
-ENTROPY_TABLE = {str(c[0].tolist()): ch05._entropy_reference(*c) for c in ch05.ENTROPY_VISIBLE}
-
-
-def test_balance_entropy_books_solution_passes():
-    assert "all 13 cases match (3 visible, 10 hidden)" in passes(ENTROPY, solution(ENTROPY)).text()
-
 
 @pytest.mark.parametrize("src", [
     """
@@ -62,81 +74,32 @@ def test_balance_entropy_honest_variants_pass(src):
     passes(ENTROPY, src)
 
 
-@pytest.mark.parametrize("src, rule", [
-    ("""
-    from labbook.train_modern import balance_stats
-    def balance_entropy(load):
-        return balance_stats(load.sum(0))[1]
-    """, "import"),
-    ("""
-    def balance_entropy(load):
-        from labbook import train_modern
-        return torch.tensor(train_modern.balance_stats(load.sum(0))).select(0, 1)
-    """, "import"),
-    ("""
-    def balance_entropy(load):
-        return summary["balance"][0]
-    """, "cell-alone"),
-    ("""
-    def balance_entropy(load):
-        load.mul_(0)
-        return 1.0
-    """, "read-only-inputs"),
-    ("""
-    def balance_entropy(load):
-        out = []
-        for row in load.double():
-            p = row / row.sum() if row.sum() > 0 else row
-            out.append(torch.special.entr(p).sum() / math.log(load.shape[1]))
-        return torch.stack(out).mean()
-    """, None),
+@pytest.mark.parametrize("head, body, rule", [
+    ("from labbook.train_modern import balance_stats", "    return balance_stats(args[0].sum(0))[1]", "import"),
+    ("", "    from labbook import train_modern\n"
+         "    return torch.tensor(train_modern.balance_stats(args[0].sum(0))).select(0, 1)", "import"),
+    ("", "    return summary['balance'][0]", "cell-alone"),
+    ("", "    args[0].mul_(0)\n    return 1.0", "read-only-inputs"),
+    ("", "    out = []\n    for row in args[0].double():\n        p = row / row.sum() if row.sum() > 0 else row\n"
+         "        out.append(torch.special.entr(p).sum() / math.log(args[0].shape[1]))\n"
+         "    return torch.stack(out).mean()", None),
 ], ids=["library-import", "library-in-body", "notebook-global", "mutates-load", "mean-of-per-window-entropies"])
-def test_balance_entropy_shortcuts_fail(src, rule):
+def test_balance_entropy_shortcuts_fail(head, body, rule):
+    src = with_body(ENTROPY, head, body)
     fails(ENTROPY, src, rule) if rule else wrong(ENTROPY, src)
 
 
-def test_balance_entropy_renamed_copy_is_an_import(tmp_path_factory):
-    renamed_copy(str(tmp_path_factory.mktemp("coursework")))
-    fails(ENTROPY, """
-    import mylab.moe as lab
-    def balance_entropy(load):
-        share = load.sum(0).double() / load.sum()
-        return torch.special.entr(share).sum() / math.log(load.shape[1])
-    """, "import")
-
-
-@pytest.mark.parametrize("src", [
-    f"TABLE = {ENTROPY_TABLE!r}\n\ndef balance_entropy(load):\n    return TABLE.get(str(load.tolist()), 0.5)\n",
-    """
+def test_log_of_the_live_experts_fits_the_visible_cases_but_not_the_hidden():
+    only_hidden_wrong(wrong(ENTROPY, """
     def balance_entropy(load):
         share = load.sum(0).double()
         share = share / share.sum()
         live = int((share > 0).sum())
         return torch.special.entr(share).sum() / math.log(max(live, 2))    # log(live experts), not log(E)
-    """,
-], ids=["lookup-table", "log-of-live-experts"])
-def test_balance_entropy_fits_the_visible_cases_but_not_the_hidden(src):
-    only_hidden_wrong(wrong(ENTROPY, src))
-
-
-@pytest.mark.parametrize("fn, call", [
-    (train_modern.balance_stats, "balance_stats(args[0].sum(0))[1]"),
-    (ch05._entropy_reference, "_entropy_reference(*args)"),
-], ids=["train_modern.balance_stats", "checker-reference"])
-def test_balance_entropy_pasted_code_is_identity(fn, call):
-    fails(ENTROPY, pasted(fn, ENTROPY, call), "identity")
+    """))
 
 
 # --- exercise 2: my_steps_to_reach ----------------------------------------------------------------------------
-
-REACH = "my_steps_to_reach"
-REACH_TABLE = {(tuple(s), tuple(v), t): ch05._reach_reference(s, v, t) for s, v, t in ch05.REACH_VISIBLE}
-HONEST_REACH = solution(REACH).replace(f"def {REACH}(", "def honest(")
-
-
-def test_my_steps_to_reach_books_solution_passes():
-    assert "all 18 cases match (6 visible, 12 hidden)" in passes(REACH, solution(REACH)).text()
-
 
 @pytest.mark.parametrize("src", [
     """
@@ -161,7 +124,7 @@ def test_my_steps_to_reach_books_solution_passes():
         i = int(hits[0])
         if i == 0:
             return s[0]
-        return torch.lerp(s[i - 1], s[i], (v[i - 1] - target) / (v[i - 1] - v[i]))
+        return torch.lerp(s[i - 1], s[i], (v[i - 1] - target) / (v[i - 1] - v[i]))   # a float64 tensor
     """,
     """
     def my_steps_to_reach(steps, losses, target):
@@ -178,65 +141,69 @@ def test_my_steps_to_reach_honest_variants_pass(src):
     passes(REACH, src)
 
 
-@pytest.mark.parametrize("src, rule", [
-    ("from labbook.lm_study import steps_to_reach\n\ndef my_steps_to_reach(steps, losses, target):\n"
-     "    return steps_to_reach(steps, losses, target)\n", "import"),
-    ("from labbook import lm_study\n\ndef my_steps_to_reach(steps, losses, target):\n"
-     "    return lm_study.steps_to_reach(list(steps), list(losses), target)\n", "import"),
-    ("import labbook.lm_study.summary as s\n\ndef my_steps_to_reach(steps, losses, target):\n"
-     "    return s.steps_to_reach(steps, losses, target)\n", "import"),
-    ("""
-    def my_steps_to_reach(steps, losses, target):
-        for run in record["runs"]:
-            if run["val"] == list(losses):
-                return run["val_steps"][-1] / summary["speedup"]["values"][0]
-        return None
-    """, "cell-alone"),
-    (HONEST_REACH + "\n\ndef my_steps_to_reach(steps, losses, target):\n    r = honest(steps, losses, target)\n"
-     "    losses[0] = target\n    return r\n", "read-only-inputs"),
-    ("""
-    def my_steps_to_reach(steps, losses, target):
-        steps.clear()
-        return 250.0
-    """, "read-only-inputs"),
-    ("""
-    def my_steps_to_reach(steps, losses, target):
-        return next((float(s) for s, v in zip(steps, losses) if v <= target), None)   # no interpolation
-    """, None),
-    (HONEST_REACH + "\n\ndef my_steps_to_reach(steps, losses, target):\n    r = honest(steps, losses, target)\n"
-     "    return -1.0 if r is None else r\n", None),
+@pytest.mark.parametrize("head, body, rule", [
+    ("from labbook.lm_study import steps_to_reach", "    return steps_to_reach(*args)", "import"),
+    ("from labbook import lm_study", "    return lm_study.steps_to_reach(*args)", "import"),
+    ("import labbook.lm_study.summary as s", "    return s.steps_to_reach(*args)", "import"),
+    ("", "    for run in record['runs']:\n        if run['val'] == list(args[1]):\n"
+         "            return run['val_steps'][-1] / summary['speedup']['values'][0]", "cell-alone"),
+    ("", "    args[1][0] = args[2]\n    return r", "read-only-inputs"),
+    ("", "    args[0].clear()\n    return 250.0", "read-only-inputs"),
+    ("", "    return next((float(s) for s, v in zip(args[0], args[1]) if v <= args[2]), None)", None),
+    ("", "    return -1.0 if r is None else r", None),
+    ("", "    return None if r is None else (1, r)", None),
 ], ids=["library-import", "library-module", "library-submodule", "notebook-record", "mutates-losses",
-        "clears-steps", "no-interpolation", "minus-one-for-never"])
-def test_my_steps_to_reach_shortcuts_fail(src, rule):
+        "clears-steps", "no-interpolation", "minus-one-for-never", "a-pair"])
+def test_my_steps_to_reach_shortcuts_fail(head, body, rule):
+    src = with_body(REACH, head, body)
     fails(REACH, src, rule) if rule else wrong(REACH, src)
-
-
-def test_my_steps_to_reach_renamed_copy_is_an_import(tmp_path_factory):
-    renamed_copy(str(tmp_path_factory.mktemp("coursework")))
-    fails(REACH, "import mylab\n\n" + solution(REACH), "import")
 
 
 def test_strictly_below_fails_on_the_visible_tie():
     """'<' where the definition says 'at or below': the curve that touches the target and rises again (case 5)."""
-    report = wrong(REACH, HONEST_REACH.replace("v <= target", "v < target").replace("def honest(", f"def {REACH}("))
+    report = wrong(REACH, solution(REACH).replace("v <= target", "v < target"))
     assert "case 5" in report.reason
     assert re.search(r"case 5 out 0 +\| exact: False", report.text()), report.text()
 
 
-def test_my_steps_to_reach_lookup_table_fails_on_hidden_cases():
-    src = (f"TABLE = {REACH_TABLE!r}\n\ndef my_steps_to_reach(steps, losses, target):\n"
+def test_an_answer_rounded_to_float32_is_outside_the_stated_tolerance():
+    """The exercise is graded at rtol = atol = 1e-9; float32 keeps about 7 digits (off by ~1e-5 at step 500)."""
+    fails(REACH, with_body(REACH, "", "    return None if r is None else float(torch.tensor(r))"))
+
+
+def test_a_notebook_name_read_when_the_cell_loads_is_cell_alone():
+    """The NameError of 'notebook-record' above, at the cell's top level (run when the grader loads the cell)."""
+    fails(REACH, with_body(REACH, "RUNS = record['runs']", "    return RUNS[0]['val_steps'][-1]"), "cell-alone")
+
+
+# --- both exercises: a lookup table of the visible cases, pasted library and checker code ----------------------
+
+ENTROPY_TABLE = {str(c[0].tolist()): ch05._entropy_reference(*c) for c in ch05.ENTROPY_VISIBLE}
+REACH_TABLE = {(tuple(s), tuple(v), t): ch05._reach_reference(s, v, t) for s, v, t in ch05.REACH_VISIBLE}
+LOOKUPS = {
+    ENTROPY: f"TABLE = {ENTROPY_TABLE!r}\n\ndef balance_entropy(load):\n"
+             "    return TABLE.get(str(load.tolist()), 0.5)\n",
+    REACH: f"TABLE = {REACH_TABLE!r}\n\ndef my_steps_to_reach(steps, losses, target):\n"
            "    reached, step = TABLE.get((tuple(steps), tuple(losses), target), (0, 0.0))\n"
-           "    return step if reached else None\n")
-    only_hidden_wrong(wrong(REACH, src))
+           "    return step if reached else None\n",
+}
 
 
-@pytest.mark.parametrize("fn, call", [
-    (lm_study.steps_to_reach, "steps_to_reach(*args)"),
-    (ch05._reach_reference, "(lambda r: r[1] if r[0] else None)(_reach_reference(*args))"),
-    (lm_study.loss_at, "loss_at(list(reversed(args[1])), list(reversed(args[0])), args[2])"),
-], ids=["lm_study.steps_to_reach", "checker-reference", "sibling-loss_at"])
-def test_my_steps_to_reach_pasted_code_is_identity(fn, call):
-    fails(REACH, pasted(fn, REACH, call), "identity")
+@pytest.mark.parametrize("name", LOOKUPS)
+def test_a_lookup_table_of_the_visible_cases_fails_on_hidden_cases(name):
+    only_hidden_wrong(wrong(name, LOOKUPS[name]))
+
+
+@pytest.mark.parametrize("name, fn, call", [
+    (ENTROPY, train_modern.balance_stats, "balance_stats(args[0].sum(0))[1]"),
+    (ENTROPY, ch05._entropy_reference, "_entropy_reference(*args)"),
+    (REACH, lm_study.steps_to_reach, "steps_to_reach(*args)"),
+    (REACH, ch05._reach_reference, "(lambda r: r[1] if r[0] else None)(_reach_reference(*args))"),
+    (REACH, lm_study.loss_at, "loss_at(list(reversed(args[1])), list(reversed(args[0])), args[2])"),
+], ids=["train_modern.balance_stats", "entropy-checker-reference", "lm_study.steps_to_reach",
+        "reach-checker-reference", "sibling-loss_at"])
+def test_pasted_library_and_checker_code_is_identity(name, fn, call):
+    fails(name, pasted(fn, name, call), "identity")
 
 
 def test_pasted_library_code_with_every_name_changed_is_still_identity():
@@ -247,18 +214,3 @@ def test_pasted_library_code_with_every_name_changed_is_still_identity():
     src = re.sub(r'""".*?"""', '"""mine"""', src, flags=re.S)                 # its own docstring
     assert "steps_to_reach" not in src.replace(REACH, "")
     fails(REACH, src, "identity")
-
-
-def test_an_answer_rounded_to_float32_is_outside_the_stated_tolerance():
-    """The exercise is graded at rtol = atol = 1e-9; float32 keeps about 7 digits (off by ~1e-5 at step 500)."""
-    fails(REACH, HONEST_REACH + "\n\ndef my_steps_to_reach(steps, losses, target):\n"
-          "    r = honest(steps, losses, target)\n    return None if r is None else float(torch.tensor(r))\n")
-
-
-def test_a_notebook_name_read_when_the_cell_loads_is_cell_alone():
-    """The same NameError as above, at the cell's top level (run when the grader loads the cell)."""
-    fails(REACH, """
-    RUNS = record["runs"]
-    def my_steps_to_reach(steps, losses, target):
-        return RUNS[0]["val_steps"][-1]
-    """, "cell-alone")

@@ -178,12 +178,14 @@ def test_pasted_local_order_with_every_name_changed_is_still_identity():
 # --- exercise 3: ds_dispatch_bytes -----------------------------------------------------------------------------
 
 BYTES = "ds_dispatch_bytes"
-FLOAT64 = """
-def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):
-    capacity = max(CAPACITY, 4)
-    return E * capacity * d * elem * (W - 1) // W
-"""
+FLOAT64 = ("def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):\n"
+           "    return E * max(CAPACITY, 4) * d * elem * (W - 1) // W")
+F32 = "int(torch.ceil((tokens / E) * torch.tensor(cf * k)))"                  # DeepSpeed's float32 capacity
 BYTES_TABLE = {c: ch06.deepspeed_dispatch_bytes(*c) for c in ch06.DISPATCH_BYTES_VISIBLE}
+
+
+def capacity_by(expr: str, head: str = "") -> str:
+    return f"{head}\n" + FLOAT64.replace("CAPACITY", expr) + "\n"      # a capacity per expert, DeepSpeed's floor 4
 
 
 @pytest.mark.parametrize("src", [
@@ -204,23 +206,17 @@ def test_ds_dispatch_bytes_honest_variants_pass(src):
 
 
 @pytest.mark.parametrize("src, rule", [
-    ("from labutils.moe import traffic\n\ndef ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):\n"
-     "    return traffic.deepspeed_bytes(tokens, E, W, d, elem, cf, top_k=k)\n", "import"),
-    ("from labutils.ds.gating import ds_capacity\n" + FLOAT64.replace("CAPACITY", "ds_capacity(tokens, E, cf, k)"),
-     "import"),
-    ("from deepspeed.moe import sharded_moe\n" + FLOAT64.replace(
-        "CAPACITY", "int(sharded_moe._capacity(torch.empty(tokens, E), torch.tensor(cf * k), torch.tensor(4)))"),
-     "import"),
-    ("from labbook.checkers import ch02\n" + FLOAT64.replace(
-        "CAPACITY", "ch02.deepspeed_capacity(tokens, E, cf, k, 4)"), "import"),
-    ("def ds_dispatch_bytes(tokens, E, W, d, elem, cf, k):\n    return ds_bytes['cf 1.0']\n", "cell-alone"),
-    (FLOAT64.replace("CAPACITY", "int(tokens / E * cf * k)"), None),
-    (FLOAT64.replace("CAPACITY", "round(tokens / E * cf * k)"), None),
-    (FLOAT64.replace("CAPACITY", "-(-(tokens * round(cf * 100) * k) // (E * 100))"), None),
-    (FLOAT64.replace("CAPACITY", "int(torch.ceil((tokens / E) * torch.tensor(cf * k)))").replace(
-        " * (W - 1) // W", ""), None),
-    (FLOAT64.replace("CAPACITY", "int(torch.ceil((tokens / E) * torch.tensor(cf * k)))").replace(", 4)", ", 0)"),
-     None),
+    (capacity_by("traffic.deepspeed_capacity(tokens, E, cf, k)", "from labutils.moe import traffic"), "import"),
+    (capacity_by("ds_capacity(tokens, E, cf, k)", "from labutils.ds.gating import ds_capacity"), "import"),
+    (capacity_by("int(sm._capacity(torch.empty(tokens, E), torch.tensor(cf * k), torch.tensor(4)))",
+                 "from deepspeed.moe import sharded_moe as sm"), "import"),
+    (capacity_by("ch02.deepspeed_capacity(tokens, E, cf, k, 4)", "from labbook.checkers import ch02"), "import"),
+    (capacity_by("W * ds_bytes['cf 1.0'] // (E * d * elem * (W - 1))"), "cell-alone"),
+    (capacity_by("int(tokens / E * cf * k)"), None),
+    (capacity_by("round(tokens / E * cf * k)"), None),
+    (capacity_by("-(-(tokens * round(cf * 100) * k) // (E * 100))"), None),
+    (capacity_by(F32).replace(" * (W - 1) // W", ""), None),
+    (capacity_by(F32).replace(", 4)", ", 0)"), None),
 ], ids=["library-traffic", "sibling-ds_capacity", "deepspeed", "checker-ch02", "notebook-ds_bytes",
         "int-capacity", "round-capacity", "exact-fraction", "own-experts-included", "no-minimum-capacity"])
 def test_ds_dispatch_bytes_shortcuts_fail(src, rule):
@@ -234,7 +230,7 @@ def test_ds_dispatch_bytes_as_a_float_is_not_a_count_of_bytes():
 def test_the_issue_example_is_visible_and_the_old_float64_solution_misses_it():
     case = (25, 2, 2, 8, 4, 1.2, 1)                                # issue 30: DeepSpeed's C is 16, float64's 15
     assert ch06.DISPATCH_BYTES_VISIBLE.index(case) == 3
-    report = wrong(BYTES, FLOAT64.replace("CAPACITY", "math.ceil(tokens / E * cf * k)"))
+    report = wrong(BYTES, capacity_by("math.ceil(tokens / E * cf * k)"))
     assert "case 3" in report.reason
 
 
@@ -247,9 +243,9 @@ LOOKUPS = {
     ORDER: f"TABLE = {ORDER_TABLE!r}\n\ndef my_local_order(global_expert_count, num_expert):\n"
            "    key = (tuple(global_expert_count.tolist()), num_expert)\n"
            "    return torch.tensor(TABLE.get(key, []), dtype=torch.long)\n",
-    BYTES: f"TABLE = {BYTES_TABLE!r}\n" + FLOAT64.replace(    # float64 elsewhere, the old solution (issue 30)
-        "capacity = max(CAPACITY, 4)", "if (tokens, E, W, d, elem, cf, k) in TABLE:\n"
-        "        return TABLE[(tokens, E, W, d, elem, cf, k)]\n    capacity = max(math.ceil(tokens / E * cf * k), 4)"),
+    BYTES: capacity_by("math.ceil(tokens / E * cf * k)", f"TABLE = {BYTES_TABLE!r}").replace(   # float64 elsewhere
+        "    return E", "    if (tokens, E, W, d, elem, cf, k) in TABLE:\n"
+        "        return TABLE[(tokens, E, W, d, elem, cf, k)]\n    return E"),
 }
 
 
@@ -263,11 +259,11 @@ def test_a_lookup_table_of_the_visible_cases_fails_on_hidden_cases(name):
     (GATHER, AllGatherFunction, "AllGatherFunction.backward(None, args[0][args[2]], None)[0]", "identity"),
     (ORDER, local_order, "local_order(*args)", "identity"),
     (ORDER, ch06.local_order_reference, "local_order_reference(*args)", "identity"),
-    (BYTES, traffic.deepspeed_capacity, "args[1] * deepspeed_capacity(args[0], args[1], args[5], args[6], 4) "
-     "* args[3] * args[4] * (args[2] - 1) // args[2]", "identity"),
-    (BYTES, traffic.deepspeed_bytes, "deepspeed_bytes(*args[:6], top_k=args[6])", "cell-alone"),  # too short for
-    (BYTES, ch06.deepspeed_dispatch_bytes, "deepspeed_dispatch_bytes(*args)", "cell-alone"),     # identity; callee gone
+    # the bytes' library and checker functions are formula-sized, under identity's floor (MIN_INSTRUCTIONS, as
+    # labutils' deepspeed_capacity: written honestly the same way, see test_grader_ch02): pasted, their callee is gone
+    (BYTES, traffic.deepspeed_bytes, "deepspeed_bytes(*args[:6], top_k=args[6])", "cell-alone"),
+    (BYTES, ch06.deepspeed_dispatch_bytes, "deepspeed_dispatch_bytes(*args)", "cell-alone"),
 ], ids=["gather-checker-reference", "AllGatherFunction", "local_order", "order-checker-reference",
-        "traffic.deepspeed_capacity", "traffic.deepspeed_bytes", "bytes-checker-reference"])
+        "traffic.deepspeed_bytes", "bytes-checker-reference"])
 def test_pasted_library_and_checker_code_is_refused(name, fn, call, rule):
     fails(name, pasted(fn, name, call), rule)

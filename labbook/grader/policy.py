@@ -185,11 +185,21 @@ class _Checker(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _def
 
     def _targets(self, node, targets):
+        """Refuse assigning to an attribute reached from a module (``torch.allclose = ...``); an index that
+        mentions a module (``mask[torch.arange(n)] = 1``) writes into the solution's own tensor."""
         for t in targets:
-            for sub in ast.walk(t):
-                if isinstance(sub, (ast.Attribute, ast.Subscript)) and _root_name(sub) in self.module_names:
-                    self.refuse(node, "patching", f"assigning to `{ast.unparse(sub)}`")
+            if isinstance(t, (ast.Tuple, ast.List)):
+                self._targets(node, t.elts)
+                continue
+            if isinstance(t, ast.Starred):
+                self._targets(node, [t.value])
+                continue
+            sub = t
+            while isinstance(sub, (ast.Attribute, ast.Subscript)):
+                if isinstance(sub, ast.Attribute) and _root_name(sub) in self.module_names:
+                    self.refuse(node, "patching", f"assigning to `{ast.unparse(t)}`")
                     break
+                sub = sub.value
 
     def visit_Assign(self, node):
         self._targets(node, node.targets)
