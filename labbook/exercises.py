@@ -2,7 +2,7 @@
 ``tools/student.py`` and every chapter's exercises; grading is :mod:`labbook.grader`.)
 
 A chapter's exercise has a ``solution`` cell (the answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION``)
-and a ``checker`` cell that calls ``labbook.grader.check("name")``: the grader takes the solution cell's text and
+and a ``checker`` cell that calls ``labbook.grader.grade("name")``: the grader takes the solution cell's text and
 grades it in a separate, sandboxed process (see :mod:`labbook.grader`). The student build replaces each solution span
 with a stub that raises (:func:`strip_solution`).
 
@@ -20,7 +20,7 @@ from labbook.grader.answers import compare
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write your solution here")'
-NOT_GRADING = "(feedback in this kernel, not a grade: the book's exercises are graded by labbook.grader.check)"
+NOT_GRADING = "(feedback in this kernel, not a grade: the book's exercises are graded by labbook.grader.grade)"
 
 
 def check_exercise(name: str, fn, reference, *cases, hidden=None, n_hidden: int = 8, seed: int | None = None,

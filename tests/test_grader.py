@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from redteam import ROOT, fails, passes, solution
 
-from labbook.grader import catalog, check, policy, source
+from labbook.grader import catalog, grade, policy, source
 from labbook.grader.cli import grade_folder
 
 # --- the static policy, rule by rule (no process started) --------------------------------------------------------
@@ -156,21 +156,21 @@ def test_an_integer_exercise_wants_integers():
 
 def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="not an exercise of the book; the exercises are"):
-        check("my_moe_fwd", source="def my_moe_fwd(): pass")
+        grade("my_moe_fwd", source="def my_moe_fwd(): pass")
     with pytest.raises(TypeError, match="source: the text of your solution"):
-        check("my_switch_loss", source=lambda logits: 1.0)
-    from labbook.grader.grading import grade
+        grade("my_switch_loss", source=lambda logits: 1.0)
+    from labbook.grader.grading import grade as grade_here
     with pytest.raises(ValueError, match="case_timeout_s=-1"):
-        grade("my_switch_loss", solution("my_switch_loss"), case_timeout_s=-1)
-    with pytest.raises(ValueError, match="check\\('my_switch_loss'\\) outside a notebook: pass source="):
-        check("my_switch_loss")
+        grade_here("my_switch_loss", solution("my_switch_loss"), case_timeout_s=-1)
+    with pytest.raises(ValueError, match="grade\\('my_switch_loss'\\) outside a notebook: pass source="):
+        grade("my_switch_loss")
 
 
-def test_check_prints_the_report_and_raises_on_a_wrong_answer(capsys):
-    assert check("my_switch_loss", source=solution("my_switch_loss"), seed=3).passed
+def test_grade_prints_the_report_and_raises_on_a_wrong_answer(capsys):
+    assert grade("my_switch_loss", source=solution("my_switch_loss"), seed=3).passed
     assert "✅ my_switch_loss: all 11 cases match" in capsys.readouterr().out
     with pytest.raises(AssertionError, match=r"my_switch_loss: 1\d of 11 cases wrong"):
-        check("my_switch_loss", source="def my_switch_loss(logits):\n    return torch.tensor(1.0)\n")
+        grade("my_switch_loss", source="def my_switch_loss(logits):\n    return torch.tensor(1.0)\n")
     assert "hidden cases match" in capsys.readouterr().out
 
 
@@ -256,7 +256,7 @@ def test_the_nbgrader_preprocessor_grades_out_of_the_kernel_and_marks_failures_a
 
     def cells(solution_src):
         sol = nbformat.v4.new_code_cell(solution_src, metadata={"nbgrader": {"solution": True, "grade": False}})
-        chk = nbformat.v4.new_code_cell('check("linear_params")',
+        chk = nbformat.v4.new_code_cell('grade("linear_params")',
                                         metadata={"nbgrader": {"grade": True, "solution": False, "points": 1}})
         chk.outputs = [nbformat.v4.new_output("stream", name="stdout", text="✅ faked by the student's kernel\n")]
         return nbformat.v4.new_notebook(cells=[sol, chk])

@@ -113,8 +113,8 @@ def test_exercises_are_well_formed(built, path):
         nxt = code[i + 1] if i + 1 < len(code) else None
         assert nxt is not None and "checker" in student.tags(nxt), \
             f"{path.name}: the code cell after a solution must be tagged 'checker':\n{stripped}"
-        assert re.search(r"\bcheck\(\"\w+\"\)", nxt.source), \
-            f"{path.name}: a checker cell must call labbook.grader's check(\"name\")"
+        assert re.search(r"\bgrade\(\"\w+\"\)", nxt.source), \
+            f"{path.name}: a checker cell must call labbook.grader's grade(\"name\")"
 
 
 @pytest.mark.skipif(not (ROOT / "notebooks" / "00_setup.ipynb").exists(), reason="chapter 00 not written")

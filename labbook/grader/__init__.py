@@ -14,14 +14,15 @@ A solution is **source**: the text of the cell that defines the exercise's funct
    integers exact and floats within the exercise's stated tolerance (:mod:`~.grading`, :mod:`~.answers`).
 
 Distributed exercises run on ranks the grader starts, each rank's inputs drawn after the ranks exist. The same
-grader gives a student feedback (:func:`check`) and an instructor grades (``python -m labbook.grader grade``).
+grader gives a student feedback (:func:`grade`, called as ``grade("name")`` in a checker cell, not to shadow
+the chapters' ``check``) and an instructor grades (``python -m labbook.grader grade``).
 """
 from __future__ import annotations
 
 from labbook.grader.catalog import ENTRIES, entry
 
 
-def check(exercise: str, source: str | None = None, *, seed: int | None = None, n_hidden: int | None = None):
+def grade(exercise: str, source: str | None = None, *, seed: int | None = None, n_hidden: int | None = None):
     """Grade your solution to ``exercise`` (the name of the function your solution cell defines) and print what the
     instructor's grader will say: one line per visible case, a count of the hidden cases, the verdict. Raises
     AssertionError when it fails. ``source``: the solution's text (default: the last cell run in this notebook that
@@ -42,4 +43,4 @@ def check(exercise: str, source: str | None = None, *, seed: int | None = None, 
     return report
 
 
-__all__ = ["ENTRIES", "check", "entry"]
+__all__ = ["ENTRIES", "entry", "grade"]

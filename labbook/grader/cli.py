@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     o.add_argument("--seed", type=int, default=None)
     o.add_argument("--hidden", type=int, default=None, help="number of hidden cases (default: the exercise's)")
     sub.add_parser("list", help="the exercises, by chapter")
-    sub.add_parser("serve", help="the grading service (used by check() and grade)")
+    sub.add_parser("serve", help="the grading service (used by grade() and the CSV command)")
     args = ap.parse_args(argv)
     if args.cmd == "serve":
         from labbook.grader import service

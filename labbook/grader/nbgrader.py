@@ -3,7 +3,7 @@ grader, in nbgrader's own process, after the student's kernel has run. (Part of 
 section shows the configuration.)
 
 nbgrader's ``Execute`` runs the submission in the student's kernel, where student code could change what a checker
-cell prints. :class:`LabGrader` comes after it: for every autograded cell that calls ``check("name")``, it grades the
+cell prints. :class:`LabGrader` comes after it: for every autograded cell that calls ``grade("name")``, it grades the
 notebook's solution cell (its text, the last cell that defines the function) with :mod:`labbook.grader`, and replaces
 that cell's outputs with the grader's report, plus an error output when it fails, which nbgrader's ``SaveAutoGrades``
 scores as no credit. In ``nbgrader_config.py``::
@@ -25,7 +25,7 @@ from nbformat import NotebookNode
 
 from labbook.grader import catalog, source
 
-CHECK = re.compile(r"""\bcheck\(\s*["'](\w+)["']\s*\)""")
+CHECK = re.compile(r"""\bgrade\(\s*["'](\w+)["']\s*\)""")
 
 
 def _is_autograded(cell) -> bool:
@@ -43,7 +43,7 @@ def solution_text(cells, function: str) -> str | None:
 
 
 class LabGrader(Preprocessor):
-    """Replace each autograded ``check("name")`` cell's outputs with this grader's verdict on the notebook's
+    """Replace each autograded ``grade("name")`` cell's outputs with this grader's verdict on the notebook's
     solution text; a failure becomes an ``error`` output (no credit in nbgrader)."""
 
     def preprocess(self, nb, resources):

@@ -34,7 +34,7 @@ def from_kernel(function: str) -> str:
         get_ipython = None
     ip = get_ipython() if get_ipython is not None else None
     if ip is None:
-        raise ValueError(f"check({function!r}) outside a notebook: pass source= (the text of your solution, e.g. "
+        raise ValueError(f"grade({function!r}) outside a notebook: pass source= (the text of your solution, e.g. "
                          "open('my_solution.py').read())")
     history = list(ip.history_manager.input_hist_raw)[:-1]    # the last entry is the cell running now
     for cell in reversed(history):
