@@ -48,17 +48,27 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
+def _tensor(value) -> torch.Tensor:
+    """``value`` as a tensor without losing precision: Python floats in float64 (``torch.as_tensor`` would round
+    them to float32, finer than some exercises' tolerance), Python ints in int64."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    return torch.as_tensor(value)
+
+
 def compare_one(label: str, got: Any, want: Any, rtol: float, atol: float) -> tuple:
     """(line, ok) for one value. Integer references want an integer answer (a Python int or an integer tensor) equal
     value by value; float references want a float or int, or a floating tensor, within ``rtol``/``atol``."""
-    want_t = torch.as_tensor(want)
+    want_t = _tensor(want)
     kind = _kind(want)
     got_kind = _kind(got)
     if got_kind == "other":
         return f"{label:<28} | not a tensor or number: {_describe(got)}", False
     if kind == "integer" and got_kind != "integer":
         return f"{label:<28} | an integer answer expected (int or an integer tensor), got {_describe(got)}", False
-    got_t = torch.as_tensor(got)
+    got_t = _tensor(got)
     if got_t.shape != want_t.shape:
         return f"{label:<28} | wrong shape: got {tuple(got_t.shape)}, expected {tuple(want_t.shape)}", False
     if kind == "integer":

@@ -48,8 +48,8 @@ def _refused(entry, reason: str, lines: list) -> Report:
 
 def _load_failure(entry, msg: dict) -> str:
     where = f" at line {msg['line']}" if msg.get("line") else ""
-    hint = (" (the grader runs your solution cell alone: define or import everything it uses in that cell)"
-            if msg.get("type") == "NameError" else "")
+    hint = (" -- rule 'cell-alone': the grader runs your solution cell alone, without the notebook: define or "
+            "import everything it uses in that cell" if msg.get("type") == "NameError" else "")
     return f"running your cell raised {msg.get('type')}{where}: {msg.get('message')}{hint}"
 
 

@@ -1,8 +1,8 @@
 """The grading service: a clean process (``python -I -m labbook.grader serve``) that imported torch and the grader,
 built the identity bank, and forks one grading process per request, so that no request sees another's hidden
 cases and a grading costs a fork, not an interpreter start. The student's kernel (feedback, ``grade``) and the
-instructor's command (grades) talk to it the same way: a JSON line in (exercise, source), a JSON line out (the report). (Part of
-the grader.)"""
+instructor's command (grades) talk to it the same way: a JSON line in (exercise, source), a JSON line out (the
+report). (Part of the grader.)"""
 from __future__ import annotations
 
 import json
