@@ -44,6 +44,18 @@ class StudyPreset:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, self[k]) for k in self.keys())}
 
 
+def check_seeds(where: str, seeds) -> tuple:
+    """``seeds`` as a tuple, after checking it is a non-empty tuple or list of ints (``where``: the call, for the
+    message, e.g. ``"StudyConfig(seeds=...)"``)."""
+    if not isinstance(seeds, (tuple, list)) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                       for s in seeds):
+        raise TypeError(f"{where}: seeds must be a tuple or list of ints, one run per seed (three seeds: "
+                        f"(0, 1, 2), i.e. tuple(range(3))), got {seeds!r}")
+    if not seeds:
+        raise ValueError(f"{where}: need at least one seed (a tuple or list of ints, e.g. (0, 1)), got {seeds!r}")
+    return tuple(seeds)
+
+
 def build_lm(cfg, ffn: Callable[[], nn.Module], vocab_size: int, seed: int) -> CharLM:
     """Chapter 05's ``CharLM`` with ``ffn()`` as every block's feed-forward, initialised from ``seed``."""
     torch.manual_seed(seed)
@@ -52,7 +64,11 @@ def build_lm(cfg, ffn: Callable[[], nn.Module], vocab_size: int, seed: int) -> C
 
 def run_jobs(fn: Callable, tasks: list, jobs: int, done: Callable | None = None) -> list:
     """``[fn(*task) for task in tasks]``, in the tasks' order. ``jobs == 1``: in this process; more: ``jobs`` fresh
-    interpreters (spawn, from a notebook too) side by side. ``done(result)`` is called as each one finishes."""
+    interpreters (spawn, from a notebook too) side by side. ``done(result)`` is called as each one finishes.
+    ``jobs``: an int >= 1, checked before any task runs."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"run_jobs(jobs={jobs!r}): jobs must be an int >= 1 (1: the tasks one after another in "
+                         "this process; n: n processes side by side)")
     if jobs == 1:
         out = []
         for task in tasks:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from labbook.study import StudyPreset, build_lm, run_jobs, versus
+from labbook.study import StudyPreset, build_lm, check_seeds, run_jobs, versus
 from labutils.data import CharBatches, fixed_windows
 from labutils.models import make_ffn
 from labutils.moe.modern.aux_free import attach_bias_update
@@ -93,7 +93,8 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
     the LAST evaluation, ``final_prefix``: the last model scored by :func:`prefix_loss` when ``prefix_eval``,
     ``max_over_mean``/``entropy``: per-window curves, ``batch_max_over_mean``/``batch_min_over_mean``: per-step
     curves of each batch's own load, ``dropped``, ``logit_rms``/``lse2``: per-step curves, ``seconds``) and
-    ``val_steps``."""
+    ``val_steps``. ``seeds``: a non-empty tuple or list of ints, checked before anything trains."""
+    seeds = check_seeds("run_variant(seeds=...)", seeds)
     val_x, val_y = fixed_windows(corpus.val, 64, cfg.block)
     out: dict = {k: [] for k in ("val", "final", "final_prefix", "max_over_mean", "entropy", "batch_max_over_mean",
                                   "batch_min_over_mean", "dropped", "logit_rms", "lse2", "seconds")}

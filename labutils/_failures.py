@@ -49,6 +49,26 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def _load_result(path: str, rank: int):
+    """Rank ``rank``'s return value, unpickled here: a value of a module only the ranks can import is named."""
+    with open(path, "rb") as f:
+        try:
+            return pickle.load(f)
+        except ImportError as exc:
+            module = exc.name or str(exc)
+            raise WorkerError(
+                f"rank {rank} returned a value that cannot be unpickled here: it needs the module {module!r}, which "
+                f"the ranks can import but this process cannot ({type(exc).__name__}: {exc}). A launch's result "
+                "must be importable in the caller: return plain data (tensors, numbers, strings, lists, dicts), "
+                f"or make {module!r} importable here too (sys.path) as well as in the ranks",
+                rank=rank, exitcode=0) from exc
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the caller's version of the module lacks
+            raise WorkerError(
+                f"rank {rank} returned a value that cannot be unpickled here ({type(exc).__name__}: {exc}). A "
+                "launch's result must be importable in the caller: return plain data (tensors, numbers, strings, "
+                "lists, dicts)", rank=rank, exitcode=0) from exc
+
+
 class Reports:
     """The reports of :class:`_run.Run`, which inherits them; they read its state (``world_size``, ``timeout``,
     ``debug``, ``tmpdir``, ``pids``, ``exits``, ``stderr_tail``, ``proc``, ``calls``, ``_watched``) and call its
@@ -121,8 +141,7 @@ class Reports:
                 how = _exit_call(rec["summary"]) if rec is not None else "called os._exit(0)?"
                 raise WorkerError(f"rank {rank} exited with code 0 but left no result: it {how} instead of "
                                   "returning", rank=rank, exitcode=0, remote_traceback=rec["traceback"] if rec else "")
-            with open(path, "rb") as f:
-                out.append(pickle.load(f))
+            out.append(_load_result(path, rank))
         return out
 
     def _error_record(self, rank):
@@ -174,8 +193,13 @@ class Reports:
         out = []
         for _, r in done:
             rec = self._error_record(r)
-            how = _exit_call(rec["summary"]) if rec is not None else "returned from the function"
-            out.append((r, f"{how} (exit code 0)"))
+            if rec is not None:
+                how = f"{_exit_call(rec['summary'])} (exit code 0)"
+            elif os.path.exists(os.path.join(self.tmpdir, f"result_{r}.pkl")):
+                how = "returned from the function (exit code 0)"
+            else:  # no result and no exception: the process ended itself (os._exit(0), a library's exit)
+                how = "exited (status 0) without returning a result (os._exit(0)?)"
+            out.append((r, how))
         return out
 
     def timeout_error(self) -> WorkerError:

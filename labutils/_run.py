@@ -93,8 +93,13 @@ class Run(Reports):
         self._reader(self.proc.stderr, ("zygote", None))
 
     def _child_env(self) -> dict:
+        """The ranks' environment: the caller's, with the path that imports what the caller imports (this
+        package's folder, then ``env``'s own PYTHONPATH entries, then the caller's ``sys.path``), the thread and
+        interface settings, then ``env`` (whose PYTHONPATH is added to the path, never replaces it: the ranks must
+        import the caller's modules to unpickle the function, and the caller the ranks' results)."""
         env = dict(os.environ)
-        paths = [_package_root()] + [p or os.getcwd() for p in sys.path]
+        extra = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [_package_root()] + extra + [p or os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
         iface = _loopback_interface()
         env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads),
@@ -103,7 +108,7 @@ class Run(Reports):
         env.pop("MASTER_PORT", None)
         if self.debug:  # torch checks every collective's op, shapes and dtypes against the other ranks first
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        env.update({k: str(v) for k, v in self.env.items()})
+        env.update({k: str(v) for k, v in self.env.items() if k != "PYTHONPATH"})
         return env
 
     def _reader(self, stream, tag) -> None:

@@ -19,10 +19,11 @@ import errno
 import os
 import pickle
 import random
-import re
 import warnings
 
 import torch
+
+from ._checkpoint_failures import load_failure, save_failure, what_dict
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_KEYS = ("version", "step", "model", "optimizer", "rng", "data", "history")
@@ -55,7 +56,15 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(path, *, model, optimizer, step: int, data, history) -> None:
     """Write everything needed to resume to ``path`` atomically (tmp file + ``os.replace``); ``history``: the
-    run's ``TrainResult`` so far."""
+    run's ``TrainResult`` so far.
+
+    Every part is required, ``optimizer`` too (resuming restores its state): ``optimizer=None`` is a TypeError
+    naming it (to keep only the weights, ``torch.save(model.state_dict(), path)``). A directory that is missing
+    or not writable raises an ``OSError`` naming ``path`` before anything is written; a disk that fills up
+    mid-write raises ``OSError(ENOSPC)`` "no space left on the device holding ..." (torch itself says only
+    "unexpected pos"). Either way the previous checkpoint at ``path`` is unchanged and no ``path.tmp`` is left.
+    """
+    _check_parts(model=model, optimizer=optimizer, data=data, history=history)
     optimizer_state = {**optimizer.state_dict(), "class": _class_name(optimizer)}
     state = {"version": CHECKPOINT_VERSION, "step": step, "model": model.state_dict(),
              "optimizer": optimizer_state, "rng": _rng_state(), "data": data.state_dict(),
@@ -63,12 +72,34 @@ def save_checkpoint(path, *, model, optimizer, step: int, data, history) -> None
     path = os.fspath(path)
     tmp = path + ".tmp"
     try:
+        with open(tmp, "wb"):  # a directory that is missing or not writable fails here, before torch writes
+            pass
         torch.save(state, tmp)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # never leave half a file behind
+    except BaseException as exc:
+        if os.path.lexists(tmp):  # never leave half a file behind
             os.remove(tmp)
+        clear = save_failure(path, exc)
+        if clear is not None:
+            raise clear from exc
         raise
+
+
+# what each part of a checkpoint must be, and the method save_checkpoint calls on it
+_PARTS = {"model": ("the torch.nn.Module being trained", "state_dict"),
+          "optimizer": ("the run's torch.optim.Optimizer (resuming restores its state)", "state_dict"),
+          "data": ("the run's batch stream (labutils.data: RandomPairs, CharBatches, ...)", "state_dict"),
+          "history": ("the run's TrainResult so far", "state")}
+
+
+def _check_parts(**parts) -> None:
+    for name, value in parts.items():
+        what, method = _PARTS[name]
+        if not callable(getattr(value, method, None)):
+            hint = (" To save only the weights, use torch.save(model.state_dict(), path) (and load them with "
+                    "model.load_state_dict)." if name == "optimizer" and value is None else "")
+            raise TypeError(f"save_checkpoint({name}={value!r}): needs {what}, an object with a .{method}() "
+                            f"method, got {type(value).__name__}; nothing was written.{hint}")
 
 
 def load_checkpoint(path) -> dict:
@@ -87,43 +118,19 @@ def load_checkpoint(path) -> dict:
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             state = torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - every reader failure becomes one clear error
-        raise CheckpointError(f"{path}: not a readable checkpoint: {_load_failure(path, exc)}") from (
+        raise CheckpointError(f"{path}: not a readable checkpoint: {load_failure(path, exc)}") from (
             None if isinstance(exc, pickle.UnpicklingError) else exc)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a labutils checkpoint (it holds a {type(state).__name__}, "
                               "not a dict of model, optimizer, ...)")
+    if "version" not in state:
+        raise CheckpointError(f"{path}: {what_dict(state)}")
     if state.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}: checkpoint version {state.get('version')} is not {CHECKPOINT_VERSION}")
     missing = [k for k in CHECKPOINT_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"{path}: not a complete labutils checkpoint, missing {missing}")
     return state
-
-
-def _load_failure(path: str, exc: Exception) -> str:
-    """What went wrong reading ``path``, in words (never the advice to disable ``weights_only``)."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return "the file is empty (0 bytes): a save or a copy that was interrupted"
-    if isinstance(exc, pickle.UnpicklingError):
-        return (f"{size} bytes that are not tensors and plain containers ({_refused(str(exc))}); labutils "
-                "only loads checkpoints that cannot run code, so this file was not written by labutils.train")
-    if isinstance(exc, RuntimeError) and "zip archive" in str(exc):
-        return f"{size} bytes that are not a complete torch.save archive: the file is truncated or corrupted"
-    return f"{size} bytes that torch.load cannot read ({type(exc).__name__}: {exc}): not a torch.save file"
-
-
-def _refused(message: str) -> str:
-    """What torch's weights-only unpickler refused, from its message: the global (a function or class the file
-    would call or build, e.g. ``posix.system``) when it names one, else its own first line, without torch's advice
-    to lift the restriction."""
-    name = re.search(r"GLOBAL ([\w.]+)", message)
-    if name:
-        return f"it refers to the global {name.group(1)}, which loading would import and call"
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    reason = next((ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))
-                   and "weights_only" not in ln), None)
-    return reason.split(". Please use")[0] if reason else "a pickle the weights-only loader refuses"
 
 
 def _class_name(obj) -> str:

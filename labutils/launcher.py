@@ -177,12 +177,17 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
            **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks with torch.distributed initialised.
 
-    Returns the list of per-rank return values (tensors, dicts, notebook-defined classes...).
+    Returns the list of per-rank return values (tensors, dicts, notebook-defined classes...). They are
+    unpickled in the caller: a value of a module only the ranks can import raises a WorkerError naming the rank
+    and the module (return plain data).
     ``backend``: "auto" (NCCL when CUDA has enough GPUs, else gloo), "gloo" or "nccl".
     ``timeout``: seconds for the whole call, a finite number > 0; stuck ranks are then reported with their
     stacks. Default: 120 s inside a Jupyter kernel (a hung cell blocks the notebook), 300 s elsewhere.
     ``threads``: torch threads per rank, an int >= 1 (default: cores // world_size, at least 1).
-    ``env``: extra environment variables for the ranks, a dict of str -> str.
+    ``env``: extra environment variables for the ranks, a dict of str -> str. Its ``PYTHONPATH`` is added to
+    the path launch gives the ranks, never replaces it: the ranks get this package's folder (whatever the
+    package is called: a renamed coursework copy too), then ``env["PYTHONPATH"]``'s entries, then the caller's
+    ``sys.path``, so they import what the caller imports, plus what ``env`` adds.
     ``debug=True``: torch checks, before each collective, that every rank calls the same one with the same
     shapes and dtypes (``TORCH_DISTRIBUTED_DEBUG=DETAIL``): a mismatch (rank 0 all_reduce, rank 1 broadcast)
     raises at once instead of hanging to the timeout. Costs an extra exchange per collective. Without it, ranks
@@ -193,8 +198,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float | N
     that does not fit ``fn``'s signature is refused before anything starts (a TypeError that points to
     ``fn_kwargs`` when one of launch's own keywords took the value ``fn`` needed).
     Arguments travel by pickle (cloudpickle): each rank gets its own copy; open files are refused.
-    Raises WorkerError naming the first failing rank with its remote traceback (a rank that returned or
-    called ``sys.exit`` while the others waited for it in a collective is named as the one that left).
+    Raises WorkerError naming the first failing rank with its remote traceback (a rank that returned, called
+    ``sys.exit`` or exited without returning (``os._exit(0)``) while the others waited for it in a collective
+    is named as the one that left, with what it did).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")

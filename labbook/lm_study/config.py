@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labbook.study import StudyPreset, build_lm
+from labbook.study import StudyPreset, build_lm, check_seeds
 from labutils.models import CharLM, make_ffn
 from labutils.train import lm_cross_entropy
 
@@ -44,6 +44,7 @@ class StudyConfig(StudyPreset):
     name: str = "custom"
 
     def __post_init__(self):
+        object.__setattr__(self, "seeds", check_seeds("StudyConfig(seeds=...)", self.seeds))  # a list -> a tuple
         # num_expert=0 would build the "MoE" row as a dense feed-forward and record it under the name MoE
         for what, value, low in (("num_expert", self.num_expert, 2), ("top_k", self.top_k, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
