@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labutils.agreement import require_process_group
 from labutils.data_parallel import allreduce_grouped_grads
 from labutils.moe import FMoETransformerMLP
 from labutils.moe.expert_parallel import shard_state
@@ -62,10 +63,17 @@ def param_group(name: str) -> str:
     return "experts" if name.startswith("moe.experts.") else "dense"
 
 
-def layout(world: int, ep: int) -> dict:
+def layout(world: int | None, ep: int) -> dict:
     """Groups for DP x EP: ranks ``[g*ep, (g+1)*ep)`` form expert-parallel group g (they hold different experts);
     ranks with the same ``rank % ep`` hold replicas of the same experts (their expert-data-parallel group).
-    Every rank must call this (``dist.new_group`` is collective), in the same order."""
+    Every rank must call this (``dist.new_group`` is collective), in the same order. ``world`` must be the launch's
+    size (None: it is)."""
+    require_process_group(what="ep_bugs.grad_check / train_curves / layout")
+    if world is None:
+        world = dist.get_world_size()
+    if world != dist.get_world_size():
+        raise ValueError(f"world={world!r}, but this launch has {dist.get_world_size()} ranks: pass "
+                         f"world={dist.get_world_size()} or leave world out (it defaults to the launch's size)")
     if world % ep:
         raise ValueError(f"ep={ep} must divide the world size {world}")
     rank = dist.get_rank()
@@ -169,16 +177,17 @@ def _adam_update(net: nn.Module, lr: float = 1e-3) -> dict:
     return {n: p.detach() - before[n] for n, p in net.named_parameters()}
 
 
-def grad_check(bug: str, *, world: int = 2, ep: int = 2, d: int = 8, h: int = 16, ne: int = 2, tokens: int = 12,
-               seed: int = 0, rtol: float = 1e-5, atol: float = 1e-6) -> dict:
+def grad_check(bug: str, *, world: int | None = None, ep: int = 2, d: int = 8, h: int = 16, ne: int = 2,
+               tokens: int = 12, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-6) -> dict:
     """On every rank of a launch: one step's synchronised gradients vs one process with every expert on the
     global batch (the book's W-workers == 1-process check). Returns ``{"grads": report, "adam": report}``: per
     parameter group (dense, router, experts) the largest error relative to the reference's largest entry (``rel``:
     the smallest relative tolerance that would have hidden the bug) and ``ok``, and the groups that ``failed``.
     ``"adam"`` compares the update one Adam step makes instead of the gradients: the weaker check that many
-    parity tests do, and that a gradient scale bug passes."""
+    parity tests do, and that a gradient scale bug passes. ``world``: the launch's size (None, the default: it is)."""
     _check_bug(bug)
     groups = layout(world, ep)
+    world = dist.get_world_size()
     rank = dist.get_rank()
     teacher = _teacher(seed, d)
     ref = _reference(d, h, ne * ep, seed)
@@ -194,8 +203,8 @@ def grad_check(bug: str, *, world: int = 2, ep: int = 2, d: int = 8, h: int = 16
     return {"grads": grads, "adam": adam}
 
 
-def train_curves(bug: str, *, steps: int, world: int = 2, ep: int = 2, d: int = 8, h: int = 16, ne: int = 2,
-                 tokens: int = 12, seed: int = 0, lr: float = 3e-3) -> list:
+def train_curves(bug: str, *, steps: int, world: int | None = None, ep: int = 2, d: int = 8, h: int = 16,
+                 ne: int = 2, tokens: int = 12, seed: int = 0, lr: float = 3e-3) -> list:
     """On every rank: train the sharded model with Adam for ``steps`` steps under ``bug``; returns the global
     training loss (mean over every rank's tokens) at each step, the same list on every rank."""
     _check_bug(bug)

@@ -29,23 +29,12 @@ from .agreement import (
     check_all_to_all,
     check_gather,
     local_problem,
+    require_process_group,  # the lab's one process-group check, used from here by the MoE core
 )
 
 __all__ = ["require_process_group", "CollectiveMismatch", "all_to_all", "pad_dim_to", "all_gather_same_dim",
            "gather_sizes", "all_gather_variable_dim", "AllGatherFunction", "all_gather", "AllGather", "slice_sizes",
            "rank_slice", "Slice", "split_by_rank"]
-
-
-def require_process_group(group=None, world_size: int | None = None, what: str = "this collective") -> None:
-    """The one process-group check of the lab: torch.distributed is initialised and, when ``world_size`` is
-    given, ``group`` has that many ranks; raises a message naming ``what`` needs it otherwise."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{what} needs a process group, but torch.distributed is not initialised: run it "
-                           "inside labutils.launch(...) workers, or call torch.distributed.init_process_group "
-                           "first")
-    if world_size is not None and dist.get_world_size(group) != world_size:
-        raise ValueError(f"{what}: world_size={world_size}, but the process group has "
-                         f"{dist.get_world_size(group)} ranks")
 
 
 class _AllToAll(torch.autograd.Function):

@@ -27,6 +27,10 @@ world size, like DeepSpeed ("to keep gradients unaffected by ep_size"), which ma
 training on the global batch with a mean loss. ``expert_scale="sum"`` leaves it as fastmoe does (its
 tests compare expert gradients with the SUM of per-rank reference gradients), i.e. experts then train
 with a learning rate ``world_size`` times larger than the dense part.
+
+Before anything moves (broadcast, each reduction) the ranks check that they hold the same parameter names, shapes,
+dtypes and tags in the same order, and gradients for the same parameters (one small all-gather,
+:func:`labutils.agreement.check_replicas`); else every rank raises the same ``CollectiveMismatch``, naming them.
 """
 from __future__ import annotations
 
@@ -34,8 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import check_replicas, require_process_group
+
 # dp_comm tag -> which gradient group: "dp" (data-parallel group), "world" (every rank), "expert"
 _TAGS = {"dp": "dp", "gate": "world", "world": "world", "expert": "expert", "none": "expert"}
+_FASTMOE_TAGS = ("moe", "mp")  # DistributedGroupedDataParallel's other tags ("mp": reduced only given mp_group=)
 
 __all__ = ["mark_expert_params", "grad_group", "is_expert_param", "split_dense_expert", "allreduce_grouped_grads",
            "broadcast_grouped_params", "GroupedDataParallel", "DistributedGroupedDataParallel"]
@@ -77,6 +84,17 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _first_rank(group) -> int:  # the first global rank of group (None: every rank), alike on each of its ranks
+    return 0 if group is None else min(dist.get_process_group_ranks(group))
+
+
+def _group_tag(p: torch.Tensor) -> tuple:
+    try:
+        return grad_group(p), ""
+    except ValueError as exc:
+        return "?", str(exc)
+
+
 def _by_dtype(tensors: list) -> list:
     """``tensors`` in lists of one dtype each (first-seen order): one flat buffer per list."""
     by_dtype: dict = {}
@@ -112,6 +130,15 @@ def _broadcast_flat(tensors: list, group) -> None:
             t.copy_(piece.view_as(t))
 
 
+def _check_grouped(module: nn.Module, dp_group, expert_dp_group, expert_scale: str, what: str, need_grad: bool):
+    """The ranks of ``dp_group`` agree on parameters, groups and gradients (see the module doc)."""
+    require_process_group(dp_group, what=what)
+    experts = expert_dp_group is not None and _group_size(expert_dp_group) > 1
+    reduced_over = {"dp": _first_rank(dp_group), "world": 0, "expert": _first_rank(expert_dp_group) if experts else -1}
+    setup = {"expert_scale": expert_scale, "expert_dp_group": "given" if expert_dp_group is not None else None}
+    check_replicas(module, _group_tag, reduced_over, setup, dp_group, what, need_grad, "gradient group")
+
+
 def allreduce_grouped_grads(module: nn.Module, *, dp_group=None, expert_dp_group=None,
                             expert_scale: str = "mean") -> dict:
     """All-reduce gradients after ``backward()``: dense over ``dp_group``, experts over ``expert_dp_group``.
@@ -121,9 +148,11 @@ def allreduce_grouped_grads(module: nn.Module, *, dp_group=None, expert_dp_group
     one rank only, so expert gradients are not communicated at all.
     ``expert_scale``: "mean" (divide expert gradients by the data-parallel size, DeepSpeed) or "sum"
     (leave them, fastmoe). Returns how many gradient tensors went to each group (``dp``, ``world``, ``expert``).
+    First the ranks of ``dp_group`` check that they agree (see the module doc): one small all-gather.
     """
     if expert_scale not in ("mean", "sum"):
         raise ValueError(f"expert_scale must be 'mean' or 'sum', not {expert_scale!r}")
+    _check_grouped(module, dp_group, expert_dp_group, expert_scale, "allreduce_grouped_grads", need_grad=True)
     grads = {"dp": [], "world": [], "expert": []}
     for p in module.parameters():
         if p.requires_grad and p.grad is not None:
@@ -144,7 +173,8 @@ def allreduce_grouped_grads(module: nn.Module, *, dp_group=None, expert_dp_group
 def broadcast_grouped_params(module: nn.Module, *, dp_group=None, expert_dp_group=None) -> None:
     """Make replicas equal at start: each parameter from the first rank of its group (``"dp"``: ``dp_group``,
     ``"world"``: every rank, ``"expert"``: ``expert_dp_group``; experts are left alone when that is ``None``,
-    each rank keeps its own)."""
+    each rank keeps its own). The ranks check first that they hold the same parameters, tagged alike."""
+    _check_grouped(module, dp_group, expert_dp_group, "", "broadcast_grouped_params", need_grad=False)
     groups = {"dp": dp_group, "world": None, "expert": expert_dp_group}
     params: dict = {"dp": [], "world": [], "expert": []}
     for p in module.parameters():
@@ -166,6 +196,7 @@ class GroupedDataParallel(nn.Module):
         super().__init__()
         if expert_scale not in ("mean", "sum"):
             raise ValueError(f"expert_scale must be 'mean' or 'sum', not {expert_scale!r}")
+        require_process_group(dp_group, what="GroupedDataParallel")
         self.module = module
         self.dp_group, self.expert_dp_group, self.expert_scale = dp_group, expert_dp_group, expert_scale
         if sync_params:
@@ -207,27 +238,42 @@ class DistributedGroupedDataParallel(nn.Module):
         if unknown:
             raise TypeError(f"DistributedGroupedDataParallel got {unknown}; its groups are keyword arguments "
                             f"ending in _group (dp_group=, mp_group=, gate_group=, moe_group=, world_group=)")
+        require_process_group(what="DistributedGroupedDataParallel")
         self.comms = {k[:-len("_group")]: g for k, g in kwargs.items()}
         for tag in ("dp", "gate", "moe", "world"):
             if self.comms.get(tag) is None:
                 self.comms[tag] = dist.group.WORLD
         if need_sync:
+            self._agree("DistributedGroupedDataParallel (its start-up broadcast)", need_grad=False)
             self._sync_params()
+        for name, p in module.named_parameters():
+            if self._tag(p)[1]:
+                raise ValueError(f"DistributedGroupedDataParallel: parameter {name!r}: {self._tag(p)[1]}")
+
+    def _tag(self, p: torch.Tensor) -> tuple:
+        """``(tag, problem)``: a tag with a group, or one fastmoe leaves alone ("none", "mp"...); others refused."""
+        tag, known = getattr(p, "dp_comm", "dp"), sorted(set(_TAGS) | set(_FASTMOE_TAGS) | set(self.comms))
+        return tag, "" if tag in known else (f"dp_comm={tag!r} on a parameter of shape {tuple(p.shape)} is not a tag "
+                                             f"any group reduces; accepted: {known} (or reduce it over a group of "
+                                             f"your own with {tag}_group=)")
+
+    def _agree(self, what: str, need_grad: bool) -> None:
+        reduced_over = {tag: _first_rank(g) for tag, g in self.comms.items()}
+        check_replicas(self.module, self._tag, reduced_over, {"groups": sorted(self.comms)}, self.comms["world"],
+                       what, need_grad, "dp_comm")
 
     def _by_comm(self, need_grad: bool) -> dict:
         """``tag -> [param]`` for every tag that has a group (fastmoe leaves the others alone)."""
         groups: dict = {}
         for p in self.module.parameters():
-            if need_grad and (not p.requires_grad or p.grad is None):
-                continue
-            tag = getattr(p, "dp_comm", "dp")
-            if tag in self.comms:
-                groups.setdefault(tag, []).append(p)
-        return groups
+            if not need_grad or (p.requires_grad and p.grad is not None):
+                groups.setdefault(getattr(p, "dp_comm", "dp"), []).append(p)
+        return {tag: params for tag, params in groups.items() if tag in self.comms}
 
     def allreduce_gradients(self, no_scale: bool = False, reduce_after: bool = False,
                             fp32_allreduce: bool = False) -> None:
         """Average (``no_scale=True``: sum) each tagged group's gradients over its process group."""
+        self._agree("DistributedGroupedDataParallel.allreduce_gradients", need_grad=True)
         for tag, params in self._by_comm(need_grad=True).items():
             comm = self.comms[tag]
             divisor = 1.0 if no_scale else float(dist.get_world_size(comm))

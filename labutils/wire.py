@@ -14,12 +14,19 @@ payload computed on paper. ``sent`` counts each byte the process handed to the k
 minus TCP's retransmissions, which loopback makes too when a delayed ACK trips the tail-loss probe, plus
 bytes still queued), so it is complete when the block ends; ``received`` counts what has arrived so far,
 and a peer's late message may land after the block. A connection closed inside the block is not counted.
+
+Only the calling process's sockets are read, so count inside a rank: in the worker function that ``launch`` runs
+(``def fn(): with count_wire() as w: ...; return w.sent``). ``count_wire()`` refuses to start in a process that is
+not a rank (torch.distributed not initialised there), such as the notebook kernel around a ``launch``: the
+ranks send from their own processes, so the kernel's count would be 0, or the kernel's own traffic. ``w.sent``
+and ``w.received`` exist once the ``with`` block has ended; read earlier, or without ``with``, they raise.
 """
 from __future__ import annotations
 
 import os
 import socket
 import struct
+import sys
 
 __all__ = ["tcp_counters", "count_wire", "WireCount"]
 
@@ -69,25 +76,62 @@ class WireCount:
     """The counter of :func:`count_wire`: ``sent`` and ``received`` bytes (ints), set when the block ends."""
 
     def __init__(self):
-        self.sent = self.received = 0
-        self._before: dict = {}
+        self._counts: tuple | None = None   # (sent, received) once a block has ended
+        self._before: dict | None = None    # this process's counters while a block runs
 
     def __enter__(self):
+        _require_rank()
         self._before = tcp_counters()
         return self
 
     def __exit__(self, *exc):
-        after = tcp_counters()
+        after, before = tcp_counters(), self._before or {}
         zero = (0, 0)  # a connection opened inside the block counts from zero
-        self.sent = sum(a[0] - self._before.get(k, zero)[0] for k, a in after.items())
-        self.received = sum(a[1] - self._before.get(k, zero)[1] for k, a in after.items())
+        self._counts = (sum(a[0] - before.get(k, zero)[0] for k, a in after.items()),
+                        sum(a[1] - before.get(k, zero)[1] for k, a in after.items()))
+        self._before = None
         return False
 
+    @property
+    def sent(self) -> int:
+        """Bytes this process's sockets sent (or queued) during the block."""
+        return self._result()[0]
+
+    @property
+    def received(self) -> int:
+        """Bytes this process's sockets received during the block."""
+        return self._result()[1]
+
+    def _result(self) -> tuple:
+        if self._before is not None:
+            raise RuntimeError("count_wire: w.sent / w.received are read inside the `with count_wire() as w:` "
+                               "block; they are set when the block ends: read them after it")
+        if self._counts is None:
+            raise RuntimeError("count_wire: this counter was never entered, so it counted nothing (not 0 bytes): "
+                               "use `with count_wire() as w: ...` and read w.sent / w.received after the block")
+        return self._counts
+
     def __repr__(self):
-        return f"WireCount(sent={self.sent}, received={self.received})"
+        if self._counts is None:
+            return "WireCount(not counted: use `with count_wire() as w:`)"
+        return f"WireCount(sent={self._counts[0]}, received={self._counts[1]})"
+
+
+def _require_rank() -> None:
+    """Refuse to count in a process that is not a distributed rank (see the module docstring)."""
+    dist = sys.modules.get("torch.distributed")  # not imported: certainly not a rank
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "count_wire() counts the TCP sockets of the process that calls it, and this process is not a rank "
+            "(torch.distributed is not initialised here). Around labutils.launch(...) it would report 0 bytes (or "
+            "this process's own traffic, e.g. a Jupyter kernel's), because each rank sends from its own process, "
+            "whose sockets are not visible from here. Count inside the worker function instead: def fn(): with "
+            "count_wire() as w: ...; return w.sent, then launch(fn, world_size)")
 
 
 def count_wire() -> WireCount:
     """``with count_wire() as w: ...`` then ``w.sent`` / ``w.received``: TCP payload bytes this process's
-    sockets carried during the block (see the module docstring for what is and is not seen)."""
+    sockets carried during the block (see the module docstring for what is and is not seen). Inside a rank only:
+    raises RuntimeError in a process without a process group (around a ``launch``, count in the worker function),
+    and when ``w.sent`` is read before the block ended or without ``with``."""
     return WireCount()

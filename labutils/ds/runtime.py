@@ -251,7 +251,8 @@ def install_capacity_guard(model: torch.nn.Module) -> list:
 
         def check(gate, inputs, output, index=index, moe=moe):
             group = moe.ep_group  # None: MOELayer's all-to-all then runs over the whole world
-            rows = gather_rows([_capacity_of(output), inputs[0].shape[0]], inputs[0], group)  # (world, 2)
+            rows = gather_rows([_capacity_of(output), inputs[0].shape[0]], inputs[0], group,  # (world, 2)
+                               check_length=False)
             caps, tokens = rows[:, 0].tolist(), rows[:, 1].tolist()
             if len(set(caps)) > 1:
                 raise CapacityMismatchError(
