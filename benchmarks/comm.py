@@ -20,8 +20,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from labbook.perf.timing import fit_latency_bandwidth, machine_info, save_result  # noqa: E402
 from labutils.launcher import launch  # noqa: E402
-from labutils.perf.timing import fit_latency_bandwidth, machine_info, save_result  # noqa: E402
 
 
 def all_to_all_times(sizes: list, reps: int) -> dict:

@@ -13,8 +13,8 @@ One thread timed in its CPU time is the primary record: other processes sharing 
 (a 2-thread wall-clock run on a loaded machine gave 10-30x the times, issue 32). Every record states the load
 average before and after and flags a run whose load exceeded the cores or whose rounds fell below the minimum.
 
-One forward+backward per design on identical weights and routing (labutils/perf/dispatch.py), interleaved over
-``--reps`` rounds; times are medians with their IQR and ratios paired medians (labutils.perf.sweep.measure_point).
+One forward+backward per design on identical weights and routing (labbook/perf/dispatch.py), interleaved over
+``--reps`` rounds; times are medians with their IQR and ratios paired medians (labbook.perf.sweep.measure_point).
 Each row: tokens/s, useful GFLOP/s, ratio to the dense limit and to the E separate MLPs, share of
 choices kept, rows computed (padding), peak memory. Also the core's profiled time per phase at several tokens
 per expert, and the machine's matmul GFLOP/s (the roofline). Chapter 08 reads the JSON.
@@ -31,17 +31,17 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.optional import available  # noqa: E402
-from labutils.perf.breakdown import core_breakdown  # noqa: E402
-from labutils.perf.dispatch import DESIGNS, make_problem  # noqa: E402
-from labutils.perf.sweep import measure_point  # noqa: E402
-from labutils.perf.timing import (  # noqa: E402
+from labbook.perf.breakdown import core_breakdown  # noqa: E402
+from labbook.perf.dispatch import DESIGNS, make_problem  # noqa: E402
+from labbook.perf.sweep import measure_point  # noqa: E402
+from labbook.perf.timing import (  # noqa: E402
     describe_conditions,
     machine_info,
     matmul_gflops,
     run_conditions,
     save_result,
 )
+from labutils.optional import available  # noqa: E402
 
 FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=8, budget_s=8,
             experts=dict(tokens=1024, num_expert=[4, 8, 16, 32, 64, 128]),

@@ -22,11 +22,11 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from labbook.perf.timing import save_result  # noqa: E402
 from labutils.data import RandomPairs  # noqa: E402
 from labutils.models import AUX_COEF, book_model  # noqa: E402
 from labutils.moe import collect_aux_loss  # noqa: E402
 from labutils.params import count_params  # noqa: E402
-from labutils.perf.timing import save_result  # noqa: E402
 from labutils.train import mse, train  # noqa: E402
 
 GB = 1e9

@@ -21,8 +21,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from labbook.perf.timing import bench, clock_name, machine_info, paired_ratio, save_result, summarize  # noqa: E402
 from labutils.moe.modern.experts import RoutedExperts  # noqa: E402
-from labutils.perf.timing import bench, clock_name, machine_info, paired_ratio, save_result, summarize  # noqa: E402
 
 
 def problem(E: int, T: int, k: int, d: int, h: int, device):

@@ -18,7 +18,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.perf.timing import machine_info, matmul_gflops, save_result  # noqa: E402
+from labbook.perf.timing import machine_info, matmul_gflops, save_result  # noqa: E402
 
 
 def main() -> int:

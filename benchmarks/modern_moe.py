@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labbook import train_modern  # noqa: E402
-from labutils.perf.timing import machine_info, save_result  # noqa: E402
+from labbook.perf.timing import machine_info, save_result  # noqa: E402
 
 
 def main() -> None:

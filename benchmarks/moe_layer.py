@@ -8,7 +8,7 @@
     .venv/bin/python benchmarks/moe_layer.py --memory         # peak RSS of fwd+bwd: ours vs DeepSpeed cf=1
 
 Forward + backward, fp32, CPU, top-2, rows interleaved in a seeded random order per round (15 rounds at the first
-shape, 45 at the others; --repeats overrides), see labutils.perf.layer_bench.
+shape, 45 at the others; --repeats overrides), see labbook.perf.layer_bench.
 Targets (issue 15), judged on PAIRED MEDIANS (per round, ours against the other row in the same round):
 ours (dropless) is at least as fast as the best of DeepSpeed cf=1 (kept tokens only), the argsort + index_add
 layer and grouped_mm, at all three shapes; ours reaches >= 0.95 of the pre-sliced MLPs at shape 0 and >= 0.90
@@ -26,9 +26,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labutils.perf.layer_bench import bench_shape, retain_freed_memory  # noqa: E402
-from labutils.perf.timing import machine_info, save_result  # noqa: E402
-from labutils.perf.verdicts import find_row, paired_speedup  # noqa: E402
+from labbook.perf.layer_bench import bench_shape, retain_freed_memory  # noqa: E402
+from labbook.perf.timing import machine_info, save_result  # noqa: E402
+from labbook.perf.verdicts import find_row, paired_speedup  # noqa: E402
 
 SHAPES = [dict(T=4096, d=512, h=2048, E=16), dict(T=1024, d=256, h=1024, E=8), dict(T=4096, d=256, h=512, E=64)]
 QUICK = [dict(T=256, d=64, h=128, E=4)]
@@ -83,7 +83,7 @@ def run_shapes(shapes, picked, repeats) -> list:
 MEMORY_CHILD = """
 import json, resource, sys, torch
 sys.path.insert(0, {root!r})
-from labutils.perf.layer_bench import build_rows
+from labbook.perf.layer_bench import build_rows
 import deepspeed.moe.layer  # imported in both rows' processes, so the baselines match
 def rss_kb():
     with open("/proc/self/status") as f:

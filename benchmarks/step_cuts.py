@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/step_cuts.py --rounds 20   # a quicker look, same record
 
 One MoE layer of chapter 05's ``full`` configuration (2,048 tokens of d 64, 8 experts of hidden 128, top-2,
-NoisyGate), 1 torch thread, THE clock (``labutils.perf.timing.clock``: the thread's CPU time). Each cut is a pair
+NoisyGate), 1 torch thread, THE clock (``labbook.perf.timing.clock``: the thread's CPU time). Each cut is a pair
 of callables doing the same forward + backward of one part of the layer: ``plain`` (the straightforward form) and
 ``cut`` (the change tried). Rounds interleave the two (order alternating per round); a cut's number is the
 paired median of ``cut / plain`` over rounds with its quartiles (below 1: the cut is faster). Each cut's rounds
@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from labbook.perf.timing import clock, clock_name, machine_info, paired_ratio, save_result  # noqa: E402
 from labutils.models import make_ffn  # noqa: E402
 from labutils.moe.expert_mlp import expert_mlps  # noqa: E402
 from labutils.moe.gates import NoisyGate, cv_squared  # noqa: E402
-from labutils.perf.timing import clock, clock_name, machine_info, paired_ratio, save_result  # noqa: E402
 
 T, D, H, E, K = 2048, 64, 128, 8, 2  # chapter 05's full preset: batch 32 x block 64 tokens
 

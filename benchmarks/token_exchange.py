@@ -21,9 +21,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from labbook.perf.timing import machine_info, quartiles, save_result  # noqa: E402
 from labbook.token_exchange import DESIGNS, run_design  # noqa: E402
 from labutils.launcher import launch  # noqa: E402
-from labutils.perf.timing import machine_info, quartiles, save_result  # noqa: E402
 
 PRESETS = {"full": dict(worlds=[2, 4, 8], experts=16, d=64, h=128, k=2, tokens=256, steps=15),
            "quick": dict(worlds=[2], experts=4, d=16, h=32, k=2, tokens=32, steps=5)}

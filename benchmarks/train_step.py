@@ -10,7 +10,7 @@ Adam, 1 torch thread per run. A step is the study's own (``labutils.train._step`
 
 How it is measured (say it with the numbers):
 
-* THE clock (``labutils.perf.timing.clock``): with 1 torch thread, the calling thread's CPU time, which other
+* THE clock (``labbook.perf.timing.clock``): with 1 torch thread, the calling thread's CPU time, which other
   processes sharing the cores do not inflate (the book machine is shared while this runs; the record keeps
   ``os.getloadavg()`` before and after). On CPU the autograd engine runs the backward on the calling thread.
 * Whole steps: dense and MoE interleaved (order alternating per round), each round's MoE/dense ratio; medians
@@ -21,7 +21,7 @@ How it is measured (say it with the numbers):
   repetitions. Per layer, summed over the layers. ``Python overhead`` (MoE) is what the whole step leaves over
   after its phases, the optimizer and the dense model's non-FFN part (attention, embeddings, head, loss: the same
   modules in both models), so it is a difference of medians, not a direct measurement.
-* Peak memory of one step (``labutils.perf.timing.peak_memory``: the CPU allocator's events under the profiler),
+* Peak memory of one step (``labbook.perf.timing.peak_memory``: the CPU allocator's events under the profiler),
   above what was allocated when the step began (parameters and Adam's state already exist).
 * Both models step with the study's optimizer (``lm_study.optimizer``: fused Adam; ``--adam`` picks another).
   Adam's step is also timed alone as torch's default loop, ``foreach=True`` and ``fused=True`` on the same
@@ -48,9 +48,9 @@ if OTHER:
 import torch  # noqa: E402
 
 from labbook import lm_study  # noqa: E402
+from labbook.perf.timing import clock, clock_name, machine_info, paired_ratio, peak_memory, quartiles, save_result  # noqa: E402
 from labutils.data import CharBatches  # noqa: E402
 from labutils.moe.gates import collect_aux_loss  # noqa: E402
-from labutils.perf.timing import clock, clock_name, machine_info, paired_ratio, peak_memory, quartiles, save_result  # noqa: E402
 from labutils.train import _step, lm_cross_entropy  # noqa: E402
 
 

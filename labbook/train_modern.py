@@ -101,7 +101,7 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
     for seed in seeds:
         model = build_lm(cfg, ffn, corpus.vocab_size, seed)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        hook = attach_bias_update(opt, model)
+        hook = attach_bias_update(opt, model, allow_none=True)
         r = train(model, CharBatches(corpus.train, cfg.batch, cfg.block, seed=0), steps=cfg.steps, optimizer=opt,
                   loss_fn=lm_cross_entropy, aux_coef=1.0, eval_every=cfg.eval_every, record_load=False,
                   eval_fn=lambda m: evaluate_loss(m, val_x, val_y, lm_cross_entropy), progress=progress,

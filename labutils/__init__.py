@@ -3,7 +3,7 @@
 Copy this folder into your own project, under any name: it needs only torch (matplotlib for plots,
 cloudpickle for ``launch``, each imported only when used, with a ``pip install`` hint when missing).
 DeepSpeed and fastmoe are optional and imported only by the features that use them; a copy may delete
-``perf/`` (benchmarks) and ``ds/`` (DeepSpeed). The layout, one idea per module:
+``ds/`` (DeepSpeed). Chapter 08's timing catalogue is the book's ``labbook.perf``. The layout, one idea per module:
 
 | module | what | chapter |
 |---|---|---|
@@ -18,7 +18,6 @@ DeepSpeed and fastmoe are optional and imported only by the features that use th
 | ``collectives``, ``wire`` | differentiable all-to-all and all-gathers; bytes on the wire | 06 |
 | ``data_parallel`` | MoE-aware data-parallel gradient grouping (and fastmoe's wrapper) | 07 |
 | ``stats`` | the verdict over seeds | 05, 08, 09 |
-| ``perf/`` | timing, dispatch designs, speed tables (``benchmarks/``) | 08 |
 | ``_deprecate`` | every deprecated name and path, one table, with its removal version | - |
 
 Names are loaded lazily so ``import labutils`` stays fast and never imports DeepSpeed or matplotlib.

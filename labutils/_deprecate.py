@@ -6,6 +6,7 @@ shims) to the new path(s), the version that deprecated it and the version that r
 * ``"module"``: a moved module. :func:`register` puts each old path into ``sys.modules`` when the package is
   imported, as a small module whose every name forwards (:func:`moved_module`) to the new module with a
   warning; no file is left at the old path (``entry.py`` stays a file: ``python -m labutils.entry`` needs one).
+  A moved package has a row for itself and one for each of its modules (``perf``, ``perf.timing``, ...).
 * ``"name"``: a renamed function or class, made at its old place with :func:`deprecated`::
 
       aux_loss = deprecated("aux_loss", _read_and_clear_aux_loss)  # labutils/models.py; versions from the table
@@ -54,12 +55,12 @@ DEPRECATED = {
     "parallel": _moved("data_parallel"),
     "comm": _moved("moe.traffic"),
     "ds_gating": _moved("ds.gating"),
-    "roofline": _moved("perf.timing", "perf.sweep", "perf.breakdown"),
-    "dispatch": _moved("perf.dispatch"),
+    "roofline": _moved("labbook.perf.timing", "labbook.perf.sweep", "labbook.perf.breakdown"),
+    "dispatch": _moved("labbook.perf.dispatch"),
     "transformer": _moved("models"),
     "envreport": _moved("nbtools"),
     "moe.parallel": _moved("moe.expert_parallel"),
-    "moe.bench": _moved("perf.layer_bench", "perf.verdicts"),
+    "moe.bench": _moved("labbook.perf.layer_bench", "labbook.perf.verdicts"),
     # renamed functions
     "models.aux_loss": Shim("name", ("moe.gates.collect_aux_loss",), "0.2.0", "1.0.0"),
     # old calls: limit_by_capacity(gate_idx, tot_expert, capacity) is drop_over_capacity's result
@@ -68,6 +69,16 @@ DEPRECATED = {
     "toys": Shim("module", ("labbook.toys",), "0.3.0", "1.0.0"),
     "exercises": Shim("module", ("labbook.exercises",), "0.3.0", "1.0.0"),
     "check_exercise": Shim("name", ("labbook.exercises.check_exercise",), "0.3.0", "1.0.0"),
+    # chapter 08's timing catalogue too (issue 39): the package, and each module (`labutils.perf.timing` ...)
+    "perf": Shim("module", ("labbook.perf",), "0.3.0", "1.0.0"),
+    "perf.timing": Shim("module", ("labbook.perf.timing",), "0.3.0", "1.0.0"),
+    "perf.problem": Shim("module", ("labbook.perf.problem",), "0.3.0", "1.0.0"),
+    "perf.dispatch": Shim("module", ("labbook.perf.dispatch",), "0.3.0", "1.0.0"),
+    "perf.real_layers": Shim("module", ("labbook.perf.real_layers",), "0.3.0", "1.0.0"),
+    "perf.sweep": Shim("module", ("labbook.perf.sweep",), "0.3.0", "1.0.0"),
+    "perf.breakdown": Shim("module", ("labbook.perf.breakdown",), "0.3.0", "1.0.0"),
+    "perf.layer_bench": Shim("module", ("labbook.perf.layer_bench",), "0.3.0", "1.0.0"),
+    "perf.verdicts": Shim("module", ("labbook.perf.verdicts",), "0.3.0", "1.0.0"),
 }
 BOOK = "labbook"  # a target in this package is absolute: the book's own package, never part of a copy
 
@@ -129,13 +140,18 @@ def moved_module(old: str, *new: str):
     """The ``__getattr__`` of a moved module ``old`` (a full dotted name): ``old.name`` forwards to ``new.name``
     with a warning. ``new`` (relative to the top package, tried in order: a module split in two) defaults to
     the table's entry; the versions always come from it. :func:`register` makes one for every moved path of
-    the table; ``labutils/entry.py`` is the one shim file (``__getattr__ = moved_module(__name__)``)."""
-    entry = DEPRECATED[old.removeprefix(f"{_TOP}.")]
+    the table; ``labutils/entry.py`` is the one shim file (``__getattr__ = moved_module(__name__)``). A moved
+    package's moved module (``old.timing``, a row of its own) is that module's shim, which warns when used."""
+    rel = old.removeprefix(f"{_TOP}.")
+    entry = DEPRECATED[rel]
     targets = [_target(n) for n in (new or entry.new)]
 
     def __getattr__(name):
         if name.startswith("__"):
             raise AttributeError(name)
+        inner = DEPRECATED.get(f"{rel}.{name}")
+        if inner is not None and inner.kind == "module" and f"{old}.{name}" in sys.modules:
+            return sys.modules[f"{old}.{name}"]  # the moved module's own shim (register made it)
         for target in targets:
             module = importlib.import_module(target)
             if hasattr(module, name):
@@ -154,8 +170,11 @@ def _target(path: str) -> str:
 
 def forward_name(name: str):
     """The top package's deprecated name ``name`` (a ``"name"`` entry whose target is elsewhere), made with
-    :func:`deprecated` from its target; None when ``name`` is no such entry."""
+    :func:`deprecated` from its target; a moved module's shim (``import labutils.perf.timing`` binds
+    ``labutils``, whose ``perf`` is then the shim); None when ``name`` is neither."""
     shim = DEPRECATED.get(name)
+    if shim is not None and shim.kind == "module":
+        return sys.modules.get(f"{_TOP}.{name}")
     if shim is None or shim.kind != "name":
         return None
     module, _, attr = _target(shim.new[0]).rpartition(".")
@@ -171,4 +190,6 @@ def register(top: str) -> None:
         module = types.ModuleType(name, f"Deprecated since {shim.since}: moved to {' and '.join(shim.new)} "
                                         f"(goes in {shim.removed_in}).")
         module.__getattr__ = moved_module(name)  # pyright: ignore[reportAttributeAccessIssue]
+        if any(path.startswith(f"{old}.") for path in DEPRECATED):  # a moved package: its modules are shims too
+            module.__path__ = []
         sys.modules[name] = module

@@ -185,22 +185,18 @@ print("plot saved")
 
 from labutils import ds, optional
 from labutils import models as transformer
-from labutils.perf import dispatch
 
 assert not optional.available("deepspeed") and not optional.available("fmoe")
 DS = ("deepspeed", "pip install deepspeed")
 FM = ("fmoe", "github.com/laekov/fastmoe")
-problem = dispatch.make_problem(8, 16, 32, 4, 2)
 features = {
     "optional.require('deepspeed')": (lambda: optional.require("deepspeed"), DS),
     "ds.import_deepspeed()": (ds.import_deepspeed, DS),
     "ds.init_deepspeed()": (ds.init_deepspeed, DS),
     "ds.build_ops()": (lambda: ds.build_ops(verbose=False), DS),
     "transformer.make_ffn('deepspeed')": (lambda: transformer.make_ffn("deepspeed", 16, 32, num_expert=4), DS),
-    "dispatch.DeepSpeedMoE": (lambda: dispatch.DeepSpeedMoE(problem, 1.0), DS),
     "optional.require('fmoe')": (lambda: optional.require("fmoe"), FM),
     "transformer.make_ffn('fastmoe')": (lambda: transformer.make_ffn("fastmoe", 16, 32, num_expert=4), FM),
-    "dispatch.fastmoe": (lambda: dispatch.fastmoe(problem), FM),
 }
 for what, (call, needles) in features.items():
     try:
@@ -337,9 +333,11 @@ MOVED = {  # old module -> (new module, a public name to follow through the shim
     "labutils.moe.parallel": ("labutils.moe.expert_parallel", "exchange_and_run"),
     "labutils.comm": ("labutils.moe.traffic", "token_matrix"),
     "labutils.ds_gating": ("labutils.ds.gating", "ds_capacity"),
-    "labutils.roofline": ("labutils.perf.timing", "matmul_gflops"),
-    "labutils.dispatch": ("labutils.perf.dispatch", "make_problem"),
-    "labutils.moe.bench": ("labutils.perf.layer_bench", "bench_shape"),
+    "labutils.roofline": ("labbook.perf.timing", "matmul_gflops"),
+    "labutils.dispatch": ("labbook.perf.dispatch", "make_problem"),
+    "labutils.moe.bench": ("labbook.perf.layer_bench", "bench_shape"),
+    "labutils.perf.timing": ("labbook.perf.timing", "machine_info"),   # the 0.3.0 move to labbook (issue 39)
+    "labutils.perf.dispatch": ("labbook.perf.dispatch", "make_problem"),
     "labutils.transformer": ("labutils.models", "CharLM"),
     "labutils.envreport": ("labutils.nbtools", "env_report"),
 }
@@ -356,12 +354,12 @@ def test_old_import_paths_forward_with_a_warning(old):
 
 
 def test_roofline_split_in_two_still_forwards_both_halves():
-    import labutils.perf.breakdown as breakdown
-    import labutils.perf.sweep as sweep
+    import labbook.perf.breakdown as breakdown
+    import labbook.perf.sweep as sweep
 
-    with pytest.warns(DeprecationWarning, match="labutils.perf.sweep"):
+    with pytest.warns(DeprecationWarning, match="labbook.perf.sweep"):
         from labutils.roofline import measure_point
-    with pytest.warns(DeprecationWarning, match="labutils.perf.breakdown"):
+    with pytest.warns(DeprecationWarning, match="labbook.perf.breakdown"):
         from labutils.roofline import core_breakdown
     assert measure_point is sweep.measure_point and core_breakdown is breakdown.core_breakdown
 

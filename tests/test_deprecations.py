@@ -42,10 +42,46 @@ def test_every_entry_has_versions_and_a_new_home():
 def test_moved_module_forwards_with_the_labs_warning(old):
     shim = DEPRECATED[old]
     new = importlib.import_module(_target(shim.new[0]))
-    name = next(n for n in sorted(vars(new)) if not n.startswith("_") and not isinstance(vars(new)[n], type(pathlib)))
+    names = [n for n in sorted(vars(new)) if not n.startswith("_") and not isinstance(vars(new)[n], type(pathlib))]
+    if not names:  # a moved package with no names of its own (perf): each of its modules has a row, tested alone
+        assert any(path.startswith(f"{old}.") for path in DEPRECATED), f"{old}: {new.__name__} has nothing to forward"
+        return
+    name = names[0]
     with pytest.warns(LabDeprecationWarning, match=rf"labutils\.{old} moved to .*{shim.removed_in}"):
         value = getattr(importlib.import_module(f"labutils.{old}"), name)
     assert value is getattr(new, name)
+
+
+def test_a_moved_package_keeps_its_path_and_each_module_path():
+    """``labutils.perf`` moved to ``labbook.perf`` in 0.3.0 (issue 39): no file is left at the old path, every module
+    of the new package has a row, and the old package path and each old module path still import; a name used
+    through them is the new module's, with the lab's warning naming the new path."""
+    import labbook.perf.dispatch as dispatch
+    import labbook.perf.sweep as sweep
+    import labbook.perf.timing as timing
+
+    assert not (PKG / "perf").exists()
+    moved = {old.removeprefix("perf.") for old in DEPRECATED if old.startswith("perf.")}
+    assert moved == {p.stem for p in (PKG.parent / "labbook" / "perf").glob("*.py")} - {"__init__"}
+    assert all(DEPRECATED[f"perf.{m}"].new == (f"labbook.perf.{m}",) for m in moved)
+    moved_to = r"labutils\.perf\.dispatch moved to labbook\.perf\.dispatch in labutils 0\.3\.0 .*1\.0\.0"
+    with pytest.warns(LabDeprecationWarning, match=moved_to):
+        assert importlib.import_module("labutils.perf.dispatch").make_problem is dispatch.make_problem
+    with pytest.warns(LabDeprecationWarning, match=r"use labbook\.perf\.timing\.machine_info"):
+        from labutils.perf.timing import machine_info
+    assert machine_info is timing.machine_info
+    # the package's shim; its modules are their own shims, which warn when used
+    from labutils.perf import sweep as old_sweep
+
+    from labutils import perf
+
+    assert perf is labutils.perf and perf.sweep is old_sweep is importlib.import_module("labutils.perf.sweep")
+    with pytest.warns(LabDeprecationWarning, match=r"labutils\.perf\.sweep moved to labbook\.perf\.sweep"):
+        assert perf.sweep.measure_point is sweep.measure_point
+    with pytest.raises(ModuleNotFoundError, match=r"labutils\.perf\.not_a_module"):
+        importlib.import_module("labutils.perf.not_a_module")
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        _ = perf.not_a_name
 
 
 @pytest.mark.parametrize("old", sorted(k for k, s in DEPRECATED.items() if s.kind == "name"))

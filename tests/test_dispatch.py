@@ -7,11 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from labutils.compare import compare_tensors
-from labutils.moe import count_by_gate
-from labutils.optional import available
-from labutils.perf.breakdown import PHASES, core_breakdown
-from labutils.perf.dispatch import (
+from labbook.perf.breakdown import PHASES, core_breakdown
+from labbook.perf.dispatch import (
     DESIGNS,
     DeepSpeedMoE,
     build_designs,
@@ -22,8 +19,11 @@ from labutils.perf.dispatch import (
     route,
     separate,
 )
-from labutils.perf.sweep import measure_point
-from labutils.perf.timing import peak_memory
+from labbook.perf.sweep import measure_point
+from labbook.perf.timing import peak_memory
+from labutils.compare import compare_tensors
+from labutils.moe import count_by_gate
+from labutils.optional import available
 
 TOL = 1e-5
 HAVE_DS = available("deepspeed")
@@ -66,8 +66,8 @@ def test_all_designs_agree_with_the_loop(top_k):
 
 def test_core_is_the_lab_layer_unchanged():
     """`core` feeds the problem's tensors into labutils.moe.FMoETransformerMLP: same as running that layer."""
+    from labbook.perf.real_layers import _LogitsGate, core
     from labutils.moe import FMoETransformerMLP
-    from labutils.perf.real_layers import _LogitsGate, core
 
     p = make_problem(tokens=32, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     layer = FMoETransformerMLP(num_expert=4, d_model=8, d_hidden=16, top_k=2, gate=_LogitsGate)
@@ -160,7 +160,7 @@ def test_bench_clock_is_cpu_time_only_with_one_thread(threads):
     threads they are wall clock and the sleep counts. (Both benchmark helpers share the rule.)"""
     import time
 
-    from labutils.perf.timing import bench, clock, machine_info
+    from labbook.perf.timing import bench, clock, machine_info
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -179,7 +179,7 @@ def test_bench_clock_is_cpu_time_only_with_one_thread(threads):
 def test_save_result_writes_json_and_reports_a_relative_path(tmp_path):
     import json
 
-    from labutils.perf.timing import save_result
+    from labbook.perf.timing import save_result
 
     out = tmp_path / "results" / "x.json"
     assert save_result({"a": [1, 2.5]}, out, tmp_path) == "results/x.json"
@@ -188,7 +188,7 @@ def test_save_result_writes_json_and_reports_a_relative_path(tmp_path):
 
 
 def test_latency_bandwidth_fit_recovers_a_known_line_and_says_when_it_does_not_fit():
-    from labutils.perf.timing import fit_latency_bandwidth
+    from labbook.perf.timing import fit_latency_bandwidth
 
     sizes = [2 ** p for p in range(10, 25, 2)]
     fit = fit_latency_bandwidth(sizes, [50e-6 + b / 3e9 for b in sizes])
@@ -203,11 +203,11 @@ def test_latency_bandwidth_fit_recovers_a_known_line_and_says_when_it_does_not_f
 
 def test_core_reports_the_kept_share_its_routing_gives():
     """The core's kept count comes from the routing it used (a gate that drops shows fewer), not a constant."""
-    from labutils.perf.dispatch import core
+    from labbook.perf.dispatch import core
 
     p = make_problem(tokens=16, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     assert core(p).kept == 32
-    import labutils.perf.real_layers as R  # the core's gate routes with the route() its module sees
+    import labbook.perf.real_layers as R  # the core's gate routes with the route() its module sees
 
     real_route = R.route
     try:
@@ -224,7 +224,7 @@ def test_timed_core_owns_its_parameters_and_matches_the_fed_core():
     """CoreMoE (the timed design) holds per-expert parameters copied from the problem, as a user's layer does:
     same output and gradients as feeding the problem's tensors (core), its gradients land in its own
     parameters, not in the problem's (negative control: after its step the problem's weights have no grad)."""
-    from labutils.perf.dispatch import CoreMoE, core
+    from labbook.perf.dispatch import CoreMoE, core
 
     p = make_problem(tokens=40, d_model=8, d_hidden=12, num_expert=5, top_k=2, seed=4, limits=False)
     timed = CoreMoE(p)
@@ -239,7 +239,7 @@ def test_speed_table_rows_are_the_dispatch_designs():
     """layer_bench's grouped_mm and naive-loop rows run dispatch's grouped_moe and loop_moe behind a NaiveGate:
     given the same gate and expert weights they compute the same layer (negative control: one expert's weight
     changed in the loop row makes them differ)."""
-    from labutils.perf.layer_bench import GroupedMMMoE, NaiveLoopMoE
+    from labbook.perf.layer_bench import GroupedMMMoE, NaiveLoopMoE
 
     torch.manual_seed(0)
     grouped, naive = GroupedMMMoE(8, 16, 4, 2), NaiveLoopMoE(8, 16, 4, 2)
@@ -340,7 +340,7 @@ def test_core_counts_rows_where_the_experts_run(monkeypatch):
 
 def _slowed_grouped_mm(p):
     """grouped_mm doing its matmuls four times (the result of the last): a slowed design."""
-    from labutils.perf import dispatch as D
+    from labbook.perf import dispatch as D
     for _ in range(3):
         with torch.no_grad():
             D.grouped_mm(p)
@@ -356,7 +356,7 @@ def _one_thread():
 def test_fault_slowed_design_is_caught_against_the_record():
     """The live paired ratios of a design are tested against a record of the same size (Welch on the rounds,
     beyond a 25% slack): a clean re-run is consistent, grouped_mm doing its matmuls four times is slower."""
-    from labutils.perf.verdicts import compare_ratios
+    from labbook.perf.verdicts import compare_ratios
 
     before = _one_thread()
     try:
@@ -374,7 +374,7 @@ def test_fault_slowed_design_is_caught_against_the_record():
 
 def test_fault_mislabelled_phase_is_caught_against_the_record(monkeypatch):
     """The combine charged to expert compute: its share drops to 0, outside the band the record spans."""
-    import labutils.perf.breakdown as S
+    import labbook.perf.breakdown as S
 
     before = _one_thread()
     try:
@@ -394,7 +394,7 @@ def test_fault_a_sleeping_step_shows_as_waiting():
     """On one thread the clock is CPU time, which a sleep does not use: the wait share (1 - CPU / wall) shows it."""
     import time
 
-    from labutils.perf import dispatch as D
+    from labbook.perf import dispatch as D
 
     def sleepy_loop(p):
         time.sleep(0.25)                                                          # far above any preemption here
@@ -410,7 +410,7 @@ def test_fault_a_sleeping_step_shows_as_waiting():
 
 
 def test_judge_overhead_reads_the_live_figure():
-    from labutils.perf.breakdown import judge_overhead
+    from labbook.perf.breakdown import judge_overhead
 
     assert judge_overhead({"profiler_overhead": 0.83, "overhead_iqr": (0.78, 0.88), "reps": 5})["call"] == "too high"
     assert judge_overhead({"profiler_overhead": 0.3, "overhead_iqr": (0.25, 0.35), "reps": 5})["call"] == "ok"
@@ -428,7 +428,7 @@ def test_breakdown_overhead_compares_like_with_like():
 
 
 def test_target_verdict_needs_two_recordings_that_agree():
-    from labutils.perf.verdicts import target_verdict
+    from labbook.perf.verdicts import target_verdict
 
     ahead = [0.95, 0.96, 0.97, 0.95, 0.96]
     behind = [0.80, 0.82, 0.81, 0.79, 0.80]
@@ -442,7 +442,7 @@ def test_target_verdict_needs_two_recordings_that_agree():
 def test_run_conditions_flag_overload_and_too_few_rounds(monkeypatch):
     import os
 
-    from labutils.perf.timing import describe_conditions, run_conditions
+    from labbook.perf.timing import describe_conditions, run_conditions
 
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 0.0, 0.0))
     c = run_conditions(rounds=2, min_rounds=5)
@@ -453,7 +453,7 @@ def test_run_conditions_flag_overload_and_too_few_rounds(monkeypatch):
 
 
 def test_iqr_verdict_judges_the_whole_iqr_against_the_target():
-    from labutils.perf.verdicts import iqr_verdict
+    from labbook.perf.verdicts import iqr_verdict
 
     assert iqr_verdict(1.44, 1.54, 1.20) == "NOT met"
     assert iqr_verdict(1.05, 1.20, 1.20) == "met"

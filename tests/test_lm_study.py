@@ -92,8 +92,8 @@ def test_two_seeds_are_inconclusive_whatever_the_means_and_never_meet_a_target()
 
 
 def test_equal_time_compares_every_run_at_the_shortest_training_time():
-    record = fake_record({"dense": [2.0, 2.0, 2.0], "MoE": [1.9, 1.9, 1.9], "dense-wide": [1.8, 1.8, 1.8]},
-                         steps=(100, 200, 300))
+    record = fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.9, 1.91, 1.89], "dense-wide": [1.8, 1.81, 1.79]},
+                         steps=(100, 200, 300))   # a little spread per arm: zero spread is refused by stats.welch
     for r in record["runs"]:
         r["val"] = [r["val"][0], (r["val"][0] + r["val"][1]) / 2, r["val"][1]]
         r["train_seconds"] = [1.0, 2.0, 3.0] if r["name"] != "MoE" else [2.0, 4.0, 6.0]  # MoE twice as slow

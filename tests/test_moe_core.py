@@ -348,12 +348,12 @@ def test_matches_real_fastmoe():
 
 
 def test_speed_table_rows_and_statistics_are_consistent():
-    """labutils.perf.layer_bench (chapters 01 and 08's speed table) on a tiny shape: every row present, the dense
+    """labbook.perf.layer_bench (chapters 01 and 08's speed table) on a tiny shape: every row present, the dense
     row is the reference (paired ratios exactly 1), our layer computes every choice, medians and IQRs come from
     the recorded times, and the paired statistics are ratios of the same rounds. Timings are not asserted."""
-    from labutils.perf.layer_bench import REFERENCE, bench_shape
-    from labutils.perf.timing import quartiles
-    from labutils.perf.verdicts import format_table, paired_speedup
+    from labbook.perf.layer_bench import REFERENCE, bench_shape
+    from labbook.perf.timing import quartiles
+    from labbook.perf.verdicts import format_table, paired_speedup
 
     r = bench_shape(T=64, d=16, h=32, E=4, repeats=4, deepspeed_factors=(), verbose=False)
     rows = {row["row"]: row for row in r["rows"]}
@@ -379,7 +379,7 @@ def test_rounds_run_in_seeded_random_orders_and_faults_are_counted():
     """Each round is a permutation of the rows, seeded (the same run twice gives the same orders), and not the
     same order every round (negative control: a fixed order would give every row one neighbour throughout).
     The fault counter sees memory first touched inside a step: a fresh 64 MB buffer is >= 8 MB of faults."""
-    from labutils.perf.layer_bench import PAGE_BYTES, minor_faults, round_orders
+    from labbook.perf.layer_bench import PAGE_BYTES, minor_faults, round_orders
 
     orders = round_orders(7, 15, seed=0)
     assert all(sorted(o) == list(range(7)) for o in orders) and orders == round_orders(7, 15, seed=0)
@@ -392,8 +392,8 @@ def test_rounds_run_in_seeded_random_orders_and_faults_are_counted():
 
 def test_quartiles_and_paired_speedup_can_tell_a_slower_row():
     """Negative control: a row twice as slow as the other must read 0.5, not 1."""
-    from labutils.perf.timing import quartiles
-    from labutils.perf.verdicts import paired_speedup
+    from labbook.perf.timing import quartiles
+    from labbook.perf.verdicts import paired_speedup
 
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
     fast = {"share": 1.0, "times_ms": [10.0, 11.0, 12.0]}
@@ -405,7 +405,7 @@ def test_quartiles_and_paired_speedup_can_tell_a_slower_row():
 
 def test_bench_rows_can_be_built_alone_with_the_same_weights():
     """benchmarks/moe_layer.py --memory builds one row per process: the others must not be in its peak RSS."""
-    from labutils.perf.layer_bench import build_rows
+    from labbook.perf.layer_bench import build_rows
 
     every = {r.name: r for r in build_rows(T=16, d=8, h=16, E=4, deepspeed_factors=())}
     (alone,) = build_rows(T=16, d=8, h=16, E=4, deepspeed_factors=(), only="ours (")
@@ -420,7 +420,7 @@ def test_bench_rows_can_be_built_alone_with_the_same_weights():
 def test_a_ratio_inside_the_repeat_spread_is_a_tie():
     """classify() says "tie" when a ratio is within the run's noise band of the target, "ahead"/"behind"
     outside it; negative controls: with a zero band, 1.01 is ahead and 0.99 behind."""
-    from labutils.perf.verdicts import classify, noise_band
+    from labbook.perf.verdicts import classify, noise_band
 
     band = noise_band({"paired_median": 0.98, "iqr": (0.95, 1.03)})
     assert band == pytest.approx(0.04)
@@ -432,7 +432,7 @@ def test_a_ratio_inside_the_repeat_spread_is_a_tie():
 def test_pooled_speedup_pairs_rounds_within_each_run():
     """Pooling two runs: ratios are formed inside each round, then one median over all rounds. Negative
     control: pairing across runs would mix a slow run's rows with a fast run's and give another answer."""
-    from labutils.perf.verdicts import pooled_speedup
+    from labbook.perf.verdicts import pooled_speedup
 
     def run(scale, ours, other):
         return {"rows": [{"row": "ours (x)", "share": 1.0, "times_ms": [scale * t for t in ours]},

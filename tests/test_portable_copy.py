@@ -10,7 +10,7 @@ was imported along the way.
 
 Optional packages are hidden by a ``-c`` wrapper that sets ``sys.modules[name] = None`` before the script
 runs (an import then raises ImportError, as in an environment without them): without cloudpickle,
-matplotlib and DeepSpeed (and with ``perf/`` and ``ds/`` deleted, as a coursework copy may), everything but
+matplotlib and DeepSpeed (and with ``ds/`` deleted, as a coursework copy may), everything but
 ``launch`` and the plots works and those two say which ``pip install`` fixes them; the nested copy runs
 with every package present. A fresh virtual environment with only torch would be the truest test, but
 building one (torch is ~1 GB) is too slow for this suite; hiding the modules exercises the same import
@@ -110,7 +110,7 @@ def _copy(dest: pathlib.Path, *, drop=()) -> None:
 
 
 @pytest.mark.parametrize("layout, hidden, drop", [
-    ("mylab", "cloudpickle,matplotlib,deepspeed", ("perf", "ds")),
+    ("mylab", "cloudpickle,matplotlib,deepspeed", ("ds",)),
     ("vendor.labutils", "", ()),
 ], ids=["renamed-no-optionals", "nested-everything"])
 def test_students_first_hour_in_a_copy(tmp_path, layout, hidden, drop):

@@ -12,7 +12,7 @@ from :func:`table`, ``tests/test_layout.py`` copies each alone and runs it):
   level (the MoE Transformer ``models``, the trainer ``train``);
 * ``deepspeed``: + the DeepSpeed wing (``ds/``).
 
-``perf/`` (chapter 08's timing catalogue) is in no copy: a student who wants it copies the whole folder.
+Chapter 08's timing catalogue is no part of ``labutils`` (it is the book's ``labbook/perf/``), so no copy holds it.
 Imports inside functions do not count: a copy without ``ds/`` still imports ``models``, and asking it for a DeepSpeed
 layer raises an ImportError that names what to copy or install.
 """

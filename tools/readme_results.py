@@ -111,7 +111,7 @@ def bench_token_exchange() -> str:
 
 def _against(q1: float, q3: float, target: float) -> str:
     """A ratio's verdict against an upper target from its quartiles over paired rounds."""
-    from labutils.perf.verdicts import iqr_verdict
+    from labbook.perf.verdicts import iqr_verdict
 
     verdict = iqr_verdict(q1, q3, target)
     return verdict + (" (the target lies inside the IQR)" if verdict == "inconclusive" else "")

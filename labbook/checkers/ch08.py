@@ -90,8 +90,10 @@ def _timing_hidden(gen: torch.Generator, i: int):
 def judge_timing(got, args) -> tuple:
     """What a correct harness must have done, from its timings and the steps' call log (``"A fwd"``, ...):
     (rounds timed per step, every forward followed at once by the same step's backward, rounds interleaved, median
-    paired ratio B/A within a factor 1.6 of the truth: CPU-time burns, a right harness lands near it)."""
-    reps, _, factor = args
+    paired ratio B/A within a factor 1.6 of the truth: CPU-time burns, a right harness lands near it; the median of
+    A's timings is A's real cost, ``base`` seconds of CPU time, give or take: at least base / 1.6, at most 50 base
+    (a wall clock on a busy machine runs on while the step waits), so made-up numbers fail even when the steps ran)."""
+    reps, base, factor = args
     times, log = got["times"], got["log"]
     if not (isinstance(times, dict) and set(times) == {"a", "b"}):
         raise AssertionError(f"time_pair must return {{'a': [...], 'b': [...]}}, got {type(times).__name__}")
@@ -108,12 +110,14 @@ def judge_timing(got, args) -> tuple:
     interleaved = len(fwd) >= 2 and switches >= len(fwd) // 2 - 1        # A B A B ... (after any warm-up)
     ratio = ratios[len(ratios) // 2] if ratios else float("nan")
     in_band = factor / 1.6 <= ratio <= factor * 1.6
+    a_median = sorted(ta)[len(ta) // 2] if ta else float("nan")
+    real = base / 1.6 <= a_median <= 50 * base
     return (torch.tensor([len(ta), len(tb)]), torch.tensor(int(pairs_ok)), torch.tensor(int(interleaved)),
-            torch.tensor(int(in_band)))
+            torch.tensor(int(in_band)), torch.tensor(int(real)))
 
 
 def _timing_reference(reps, base, factor):
-    return torch.tensor([reps, reps]), torch.tensor(1), torch.tensor(1), torch.tensor(1)
+    return torch.tensor([reps, reps]), torch.tensor(1), torch.tensor(1), torch.tensor(1), torch.tensor(1)
 
 
 # --- exercise 2: the one-hot einsums' FLOPs ------------------------------------------------------------------

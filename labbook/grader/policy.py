@@ -12,6 +12,7 @@ answer (``tensor_split`` for a batch split). Each refusal names the line and the
 from __future__ import annotations
 
 import ast
+import contextlib
 import types
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ REFLECTION = frozenset({"getattr", "setattr", "delattr", "globals", "locals", "v
                         "memoryview", "exit", "quit"})
 FRAME_ATTRS = frozenset({"gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "tb_frame", "tb_next",
                          "f_back", "f_locals", "f_globals", "f_builtins", "f_code", "f_trace", "co_code",
-                         "co_consts", "co_names", "mro", "with_traceback"})
+                         "co_consts", "co_names", "mro", "with_traceback", "cell_contents"})
 # torch's doors to code or processes outside the exercise (whatever module they are reached from)
 TORCH_DOORS = frozenset({"ops", "library", "classes", "compile", "compiler", "load", "save", "hub", "jit", "fx",
                          "export", "package", "utils", "multiprocessing", "overrides", "cpp", "serialization",
@@ -77,30 +78,33 @@ class Policy:
 
 
 def _escapes(policy: Policy) -> dict:
-    """Attribute names of the allowed modules (and safe torch submodules) that lead to a module outside torch the
-    solution may not use: ``{name: module it leads to}`` (``os``, ``sys``, ``ctypes`` through ``torch``, ...).
+    """Attribute names that lead, from any module the solution can reach (the allowed ones and every torch
+    submodule, however deep: ``torch.functional.operator``, ``torch.cuda.graphs.gc``), to a module outside torch
+    the solution may not use: ``{name: module it leads to}`` (``os``, ``sys``, ``operator``, ``gc``, ...).
     torch's own submodules are plain maths, except the doors (:data:`TORCH_DOORS`), refused by name."""
     import importlib
     import sys
     import warnings
 
-    found, seen = {}, set()
-    roots = set(policy.imports) | (SAFE_TORCH if "torch" in policy.imports else set())
+    for name in sorted(policy.imports):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    import torch
+
+    def own(mod):                                          # x.t(), torch.random: torch's own names, not escapes
+        return {n for n, v in vars(mod).items()
+                if not (isinstance(v, types.ModuleType) and not v.__name__.startswith("torch"))}
+
+    public = own(torch) | set(dir(torch.Tensor))
+    found = {}
+    reachable = [m for n, m in list(sys.modules.items())
+                 if isinstance(m, types.ModuleType) and (n in policy.imports or n == "torch" or n.startswith("torch."))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")                     # deprecated aliases warn when read
-        for name in sorted(roots):
-            mod = sys.modules.get(name)
-            if mod is None:
-                try:
-                    mod = importlib.import_module(name)
-                except ImportError:
-                    continue
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
+        for mod in reachable:
             for attr, value in list(vars(mod).items()):
                 if (isinstance(value, types.ModuleType) and not value.__name__.startswith("torch")
-                        and not policy.allowed_module(value.__name__)):
+                        and not policy.allowed_module(value.__name__) and attr not in public):
                     found.setdefault(attr, value.__name__)
     return found
 

@@ -64,9 +64,9 @@ def _under(path, roots: tuple) -> bool:
 _IMPORTLIB = os.path.dirname(os.path.realpath(__import__("importlib").__file__)) + os.sep
 
 
-def _asked_by_solution(depth: int = 2, through_importlib: bool = True) -> bool:
-    """Whether the solution itself asked for what the hook sees: the first frame (``depth`` up from the caller,
-    past importlib's frames when ``through_importlib``) is the solution's."""
+def _asked_by_solution(depth: int = 3, through_importlib: bool = True) -> bool:
+    """Whether the solution itself asked for what the hook sees: the first frame ``depth`` up (past this function,
+    the hook's ``judge`` and ``hook``; then past importlib's frames when ``through_importlib``) is the solution's."""
     frame = sys._getframe(depth)
     while through_importlib and frame is not None and (
             frame.f_code.co_filename.startswith("<frozen importlib")
@@ -78,9 +78,18 @@ def _asked_by_solution(depth: int = 2, through_importlib: bool = True) -> bool:
 def install_hook(policy, student_code) -> None:
     """Install the child's audit hook (irrevocable: Python has no way to remove one)."""
     readable, denied = _roots()
-    state = {"student_exec": False}
+    state = {"student_exec": False, "busy": False}
 
     def hook(event, args):
+        if state["busy"]:       # the hook's own frame reads (f_code, sys._getframe) raise events too
+            return
+        state["busy"] = True
+        try:
+            judge(event, args)
+        finally:
+            state["busy"] = False
+
+    def judge(event, args):
         if event == "exec":
             code = args[0]
             if code is student_code and not state["student_exec"]:
@@ -109,6 +118,8 @@ def install_hook(policy, student_code) -> None:
             if not writes and _under(path, readable) and not _under(path, denied):
                 return
             raise PermissionError(f"grader policy: opening {path!r} is not allowed")
+        if event == "object.__getattr__" and _asked_by_solution(through_importlib=False):
+            raise PermissionError(f"grader policy: reading .{args[1]} is not allowed")  # __code__, gi_frame, ...
         if event in REFUSED or event.startswith(REFUSED_PREFIXES):
             raise PermissionError(f"grader policy: {event} is not allowed")
 
@@ -200,6 +211,12 @@ def child_main(entry, tree, rfd: int, wfd: int, outfd: int, dist_init=None) -> N
                 return
             sys.stdout.flush()
             channel.send(wfd, adapters.run(entry.adapter, fn, tuple(msg["args"])))
+    except BaseException:  # noqa: BLE001 - the grader's own failure: said on the child's output, then exit 70
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(70)
     finally:
         try:
             sys.stdout.flush()

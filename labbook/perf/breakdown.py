@@ -2,7 +2,7 @@
 (Taught in chapter 08.)
 
 * :func:`labelled_core_steps` labels each named step of ``FMoE.forward`` for the profiler (the core unedited).
-* :func:`core_breakdown` profiles the timed core (:class:`~labutils.perf.real_layers.CoreMoE`) on a problem,
+* :func:`core_breakdown` profiles the timed core (:class:`~labbook.perf.real_layers.CoreMoE`) on a problem,
   with the profiler's overhead measured against plain steps in the same rounds.
 * :func:`judge_overhead` says whether the shares describe the unprofiled layer; :func:`compare_phases` whether
   a live breakdown attributes time as its record did.
@@ -34,7 +34,7 @@ def labelled_core_steps():
     """
     from torch.profiler import record_function
 
-    from ..moe import layers
+    from labutils.moe import layers
 
     def labelled(fn, phase):
         @functools.wraps(fn)
@@ -87,14 +87,15 @@ def core_breakdown(p, reps: int = 3, core=None, check: bool = True) -> dict:
     each profiled step's phase totals (their spread is what :func:`compare_phases` tests against).
 
     Like is compared with like: each round times one plain step and then one profiled step with THE clock
-    (:func:`~labutils.perf.timing.clock`), and ``profiler_overhead`` is the median over rounds of profiled /
+    (:func:`~labbook.perf.timing.clock`), and ``profiler_overhead`` is the median over rounds of profiled /
     plain - 1 (``overhead_iqr`` its IQR); ``unprofiled_s`` is the plain steps' median. :func:`judge_overhead`
     says whether the shares describe the unprofiled layer. ``core``: a prebuilt core (e.g. a patched one);
     ``check``: first compare its output and gradients with the naive loop on ``p`` (AssertionError if not).
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ..nbtools import quiet
+    from labutils.nbtools import quiet
+
     from .dispatch import CoreMoE, build_designs, fwd_bwd
     from .timing import clock
 

@@ -21,13 +21,13 @@ MLPs on tokens that are already sliced per expert: matmuls only). They are yards
 beat them (``grouped_mm`` runs all experts in one call and can beat ``separate``'s E calls at few tokens per
 expert), and chapter 08 says where one does.
 
-Routing is shared: :func:`~labutils.perf.problem.route` turns the same ``logits (T, E)`` into ``(idx, score)``
+Routing is shared: :func:`~labbook.perf.problem.route` turns the same ``logits (T, E)`` into ``(idx, score)``
 with DeepSpeed's convention, so DeepSpeed's layer, fed the same logits, computes the same output wherever it
-drops nothing. The problem and the step live in :mod:`labutils.perf.problem`, the designs that are whole layers
-(``core``, ``ds_cf*``, ``fastmoe``) in :mod:`labutils.perf.real_layers`; this module is the catalogue: the
+drops nothing. The problem and the step live in :mod:`labbook.perf.problem`, the designs that are whole layers
+(``core``, ``ds_cf*``, ``fastmoe``) in :mod:`labbook.perf.real_layers`; this module is the catalogue: the
 designs written here, the references, and :func:`build_designs` over all of them. The loop and grouped designs
 are also functions of any routing and weights (:func:`loop_moe`, :func:`grouped_moe`), which the layer speed
-table's rows (:mod:`labutils.perf.layer_bench`) call.
+table's rows (:mod:`labbook.perf.layer_bench`) call.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..moe.capacity import position_in_expert
-from ..moe.functions import combine, count_by_gate, gather, scatter
-from ..moe.modern.experts import grouped_matmul
+from labutils.moe.capacity import position_in_expert
+from labutils.moe.functions import combine, count_by_gate, gather, scatter
+from labutils.moe.modern.experts import grouped_matmul
+
 from .problem import DispatchOut, Problem, expert_mlp, fwd_bwd, make_problem, route
 from .real_layers import CoreMoE, DeepSpeedMoE, core, fastmoe, per_expert_tensors
 

@@ -9,9 +9,9 @@ the same neighbour, and its page faults, in every round. ``faults MB`` is the me
 * ``E MLPs, pre-sliced``: ``E`` separate MLPs on tokens already grouped by expert: routing-free experts;
 * ``argsort + index_add``: the ~40-line layer people write first (nn.Linear experts, argsort, index_add);
 * ``grouped_mm``: sorted rows through ``torch._grouped_mm`` with ``(E, h, d)`` weights (the ``grouped_mm`` design
-  of :mod:`labutils.perf.dispatch`, :func:`~labutils.perf.dispatch.grouped_moe`, with its own gate and weights);
+  of :mod:`labbook.perf.dispatch`, :func:`~labbook.perf.dispatch.grouped_moe`, with its own gate and weights);
 * ``naive loop``: per expert a boolean mask, its tokens, MLP, ``index_add`` (optional; the ``loop`` design,
-  :func:`~labutils.perf.dispatch.loop_moe`);
+  :func:`~labbook.perf.dispatch.loop_moe`);
 * ``DeepSpeed cf=...``: ``deepspeed.moe.layer.MoE`` (drop_tokens) at the given capacity factors;
 * ``ours`` and ``ours, again``: :class:`labutils.moe.FMoETransformerMLP` twice, two identical configurations
   whose difference is the repeat-to-repeat spread of this machine.
@@ -19,7 +19,7 @@ the same neighbour, and its page faults, in every round. ``faults MB`` is the me
 Statistics (:func:`row_stats`): per row the median and interquartile range of its times; ``paired`` is the
 median over rounds of (reference time / row time) within the same round, the verdict statistic; ``share`` is
 the fraction of the ``T*top_k`` choices a row computed (DeepSpeed drops the ones over capacity) and
-``kept tok/s`` counts only those. The table and the verdicts read from it are :mod:`labutils.perf.verdicts`.
+``kept tok/s`` counts only those. The table and the verdicts read from it are :mod:`labbook.perf.verdicts`.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ import statistics
 import torch
 from torch import nn
 
-from ..moe.gates import NaiveGate
-from ..moe.transformer import FMoETransformerMLP
+from labutils.moe.gates import NaiveGate
+from labutils.moe.transformer import FMoETransformerMLP
+
 from .dispatch import grouped_moe, loop_moe
 from .timing import clock, clock_name, quartiles
 from .verdicts import format_table
@@ -129,7 +130,7 @@ class ArgsortMoE(nn.Module):
 
 class GroupedMMMoE(nn.Module):
     """Sorted rows through ``torch._grouped_mm`` (one call per linear for all experts), weights ``(E, out, in)``:
-    :func:`~labutils.perf.dispatch.grouped_moe` behind a :class:`~labutils.moe.NaiveGate`."""
+    :func:`~labbook.perf.dispatch.grouped_moe` behind a :class:`~labutils.moe.NaiveGate`."""
 
     def __init__(self, d, h, E, k):
         super().__init__()
@@ -146,7 +147,7 @@ class GroupedMMMoE(nn.Module):
 
 class NaiveLoopMoE(nn.Module):
     """The textbook MoE: for each expert, find its tokens with a mask, run it, add the weighted output
-    (:func:`~labutils.perf.dispatch.loop_moe` behind a :class:`~labutils.moe.NaiveGate`, nn.Linear experts)."""
+    (:func:`~labbook.perf.dispatch.loop_moe` behind a :class:`~labutils.moe.NaiveGate`, nn.Linear experts)."""
 
     def __init__(self, d, h, E, k):
         super().__init__()
@@ -167,7 +168,7 @@ def _ours_row(x, grad, d, h, k, E, name="ours (FMoETransformerMLP)"):
 
 
 def _deepspeed_rows(x, grad, d, h, k, E, factors):
-    from ..ds.runtime import init_deepspeed, quiet
+    from labutils.ds.runtime import init_deepspeed, quiet
     init_deepspeed()
     from deepspeed.moe.layer import MoE
     rows = []

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe.functions import check_top_k, count_by_gate
+from labutils.moe.functions import check_top_k, count_by_gate
 
 __all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "fwd_bwd"]
 

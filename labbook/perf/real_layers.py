@@ -6,7 +6,7 @@
 * ``ds_cf1`` / ``ds_cf2``: DeepSpeed's ``MoE`` layer (:class:`DeepSpeedMoE`), fed the same logits.
 * ``fastmoe``: the real fastmoe's ``FMoETransformerMLP`` (CUDA only, when importable).
 
-Each layer's gate is replaced by one that routes the problem's logits with :func:`~labutils.perf.problem.route`,
+Each layer's gate is replaced by one that routes the problem's logits with :func:`~labbook.perf.problem.route`,
 so every design sees the same routing; the rest is the layer's own code.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def per_expert_tensors(p: Problem) -> dict:
 def _core_layer(E: int, d: int, h: int, k: int):
     key = (E, d, h, k)
     if key not in _CORE_LAYERS:
-        from ..moe.transformer import FMoETransformerMLP
+        from labutils.moe.transformer import FMoETransformerMLP
 
         with torch.device("meta"):  # weights come from the problem through functional_call
             _CORE_LAYERS[key] = FMoETransformerMLP(num_expert=E, d_model=d, d_hidden=h, top_k=k, gate=_LogitsGate)
@@ -76,7 +76,7 @@ class CoreMoE(nn.Module):
 
     def __init__(self, p: Problem):
         super().__init__()
-        from ..moe.transformer import FMoETransformerMLP
+        from labutils.moe.transformer import FMoETransformerMLP
 
         self.layer = FMoETransformerMLP(num_expert=p.E, d_model=p.d, d_hidden=p.h, top_k=p.top_k,
                                         gate=_LogitsGate).to(device=p.x.device, dtype=p.x.dtype)
@@ -141,7 +141,7 @@ def fastmoe(p: Problem) -> DispatchOut:
     """The real fastmoe (``fmoe``, CUDA only) fed the same tensors: same parameter names as the core."""
     key = (p.E, p.d, p.h, p.top_k, p.x.device)
     if key not in _FMOE_LAYERS:
-        from ..optional import require
+        from labutils.optional import require
 
         fmoe = require("fmoe", "the fastmoe dispatch design")
         _FMOE_LAYERS[key] = fmoe.FMoETransformerMLP(num_expert=p.E, d_model=p.d, d_hidden=p.h, top_k=p.top_k,
@@ -234,9 +234,9 @@ class DeepSpeedMoE(nn.Module):
 
 def _import_deepspeed():
     try:
-        from ..ds.runtime import import_deepspeed  # quiet logs, CPU accelerator chosen explicitly
+        from labutils.ds.runtime import import_deepspeed  # quiet logs, CPU accelerator chosen explicitly
     except ImportError:  # pragma: no cover - labutils copied without ds.py
-        from ..optional import require
+        from labutils.optional import require
 
         return require("deepspeed", "the DeepSpeed dispatch design")
     return import_deepspeed()

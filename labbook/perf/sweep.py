@@ -1,11 +1,11 @@
 """One MoE problem, every dispatch design side by side. (Taught in chapter 08.)
 
-* :func:`measure_point` times a forward+backward of each design of :mod:`labutils.perf.dispatch` on the same
+* :func:`measure_point` times a forward+backward of each design of :mod:`labbook.perf.dispatch` on the same
   problem, interleaved, with its peak memory and the share of choices it kept.
 * :func:`check_against_loop`: before any timing, each design's output and gradients against the naive loop's.
 
-Where the core's time goes is :mod:`labutils.perf.breakdown`; the verdicts on a live run against its record
-are :mod:`labutils.perf.verdicts`.
+Where the core's time goes is :mod:`labbook.perf.breakdown`; the verdicts on a live run against its record
+are :mod:`labbook.perf.verdicts`.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ def check_against_loop(p, outs: dict, grads: dict, rtol: float = LOOP_RTOL, atol
     """Each design's output and input/logit gradients against the naive loop's on the SAME problem:
     ``{name: {"equal_to_loop": bool, "max_abs_diff": float, "compared_tokens": int}}``.
 
-    ``outs[name]`` is the design's :class:`~labutils.perf.dispatch.DispatchOut`, ``grads[name]`` its
+    ``outs[name]`` is the design's :class:`~labbook.perf.dispatch.DispatchOut`, ``grads[name]`` its
     ``(x.grad, logits.grad)`` (None for the references, which run other weights and are not compared). A design
     that drops choices (``out.dropped``) is compared on the tokens it kept whole, its gradients not at all.
     """
-    from ..compare import compare_tensors
+    from labutils.compare import compare_tensors
 
     ref, (ref_gx, ref_gl) = outs["loop"], grads["loop"]
     res = {}
@@ -63,7 +63,7 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
     ``kept`` (share of the T*k choices the experts received), ``rows`` (rows computed / (T*k): above 1 is
     padding), ``equal_to_loop``/``max_abs_diff``, ``wait_share`` (median over rounds of 1 - clock time / wall
     time: with one thread, time the step spent not running, e.g. sleeping), ``peak_mb`` and ``conditions``
-    (:func:`~labutils.perf.timing.run_conditions`). ``designs`` passes prebuilt designs (e.g. a patched one).
+    (:func:`~labbook.perf.timing.run_conditions`). ``designs`` passes prebuilt designs (e.g. a patched one).
     A design that raises is reported as ``{"design", "error"}`` instead.
     """
     from .dispatch import build_designs, fwd_bwd

@@ -199,7 +199,7 @@ def peak_memory(fn, device="cpu") -> int:
         return int(torch.cuda.max_memory_allocated(device) - base)
     from torch.profiler import ProfilerActivity, profile
 
-    from ..nbtools import quiet  # the profiler prints start/stop lines and allocator warnings at the C level
+    from labutils.nbtools import quiet  # the profiler prints start/stop lines and allocator warnings at the C level
 
     with quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         fn()

@@ -4,7 +4,7 @@
 Every ratio here is paired: taken within one round (both rows timed back to back), then summarised over rounds
 by its median and IQR, so a drift of the machine between rounds hits both sides of each ratio alike.
 
-* The layer speed table (:mod:`labutils.perf.layer_bench`): :func:`round_ratios`, :func:`paired_speedup`,
+* The layer speed table (:mod:`labbook.perf.layer_bench`): :func:`round_ratios`, :func:`paired_speedup`,
   :func:`pooled_speedup` (rounds of several runs), :func:`noise_band` and :func:`classify` (ahead / tie /
   behind against the run's own repeat spread), :func:`find_row` and :func:`format_table`.
 * A live run against its record (:func:`compare_ratios`, a Welch test of the rounds' log ratios) and a target
@@ -93,7 +93,7 @@ def compare_ratios(live: list, recorded: list, *, slack: float = 0.25, alpha: fl
     between runs by more than their spread within a run, issue 32), ``"faster"`` likewise ahead, else
     ``"consistent"``. Returns ``{"call", "live", "recorded", "factor", "p", "comparison"}`` (factor:
     recorded / live median ratio, above 1 = slower now)."""
-    from .. import stats
+    from labutils import stats
 
     a = [math.log(r) for r in live]
     b = [math.log(r) for r in recorded]
@@ -116,7 +116,7 @@ def target_verdict(recordings: list, target: float, *, alpha: float = 0.05) -> d
     a one-sample t-test); "met" only when at least two recordings exist and every one is ahead of the
     target, "NOT met" when every one is behind it; otherwise (one recording, a tie, or recordings that
     disagree) "inconclusive", with the reason."""
-    from .. import stats
+    from labutils import stats
 
     recs = [list(r) for r in recordings if r]
     per = [stats.welch(r, [target] * len(r), names=("ratio", "target"), lower_is_better=False, alpha=alpha)

@@ -26,9 +26,39 @@ import torch.distributed as dist
 
 from .._deprecate import deprecated
 from ..collectives import require_process_group
-
+from ..data import _size
 
 # ---- the formulas -------------------------------------------------------------------------------------
+# Every formula checks its arguments first, with one helper (the int checks are labutils.data's ``_size``):
+# token counts are ints >= 0 (``T = 0``, an empty batch, is legitimate: capacity 0, or ``min_capacity``), numbers
+# of experts and ``k`` ints >= 1, factors finite numbers >= 0 (expert choice: > 0), counts tensors of whole
+# numbers >= 0. A factor of -1, NaN or inf, E = -8 or a negative T gave 0, 1 or a negative capacity, silently.
+_MINIMUM = {"num_tokens": 0, "num_experts": 1, "num_expert": 1, "tot_expert": 1, "world_size": 1, "k": 1,
+            "top_k": 1, "min_capacity": 0}
+_FACTORS = ("capacity_factor", "factor")
+
+
+def _check_args(where: str, *, positive_factor: bool = False, **args) -> None:
+    """THE argument check of this module's formulas: each keyword is checked by its name (see the comment above)
+    and a ValueError names ``where``, the argument, its value and what is accepted."""
+    for name, value in args.items():
+        if name in _FACTORS:
+            bound = "> 0" if positive_factor else ">= 0"
+            ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+                  and (float(value) > 0 if positive_factor else float(value) >= 0))
+            if not ok:
+                raise ValueError(f"{where}: {name} must be a finite number {bound}, got {value!r}")
+        elif name == "local_expert_counts":
+            counts = torch.as_tensor(value)
+            if (counts.numel() == 0 or counts.dtype == torch.bool or counts.is_complex()
+                    or not bool(torch.isfinite(counts).all()) or bool((counts < 0).any())
+                    or bool((counts != counts.floor()).any())):
+                raise ValueError(f"{where}: {name} must be a non-empty (W, E) or (E,) tensor of counts (whole "
+                                 f"numbers >= 0), got {value!r}")
+        else:
+            _size(f"{where}: {name}", value, _MINIMUM[name])
+
+
 def deepspeed_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
                        min_capacity: int = 0) -> int:
     """DeepSpeed's ``max(ceil(cf * k * S / E), min_capacity)`` for a rank's LOCAL ``num_tokens`` ``S``, computed as
@@ -36,7 +66,13 @@ def deepspeed_capacity(num_tokens: int, num_experts: int, capacity_factor: float
 
     The float32 product can land just above an integer (S=100, E=4, cf=1.2: exact 30, DeepSpeed 31; see
     :func:`exact_capacity`). ``min_capacity`` 0 is no floor (``_capacity`` has no default); DeepSpeed's ``MoE``
-    layer passes its default 4: pass ``min_capacity=4`` to model a layer built with defaults."""
+    layer passes its default 4: pass ``min_capacity=4`` to model a layer built with defaults.
+
+    ``S = 0`` (an empty batch) gives ``min_capacity``. Refuses, naming the argument and the value: ``num_tokens``
+    not an int >= 0, ``num_experts`` or ``k`` not an int >= 1, ``capacity_factor`` not a finite number >= 0 (NaN,
+    inf or -1 gave 0), ``min_capacity`` not an int >= 0."""
+    _check_args("deepspeed_capacity", num_tokens=num_tokens, num_experts=num_experts,
+                capacity_factor=capacity_factor, k=k, min_capacity=min_capacity)
     factor = torch.tensor(capacity_factor * k)                                # float32, as in DeepSpeed
     capacity = torch.ceil((num_tokens / num_experts) * factor).to(torch.int64)
     return max(int(capacity), int(min_capacity))
@@ -44,42 +80,62 @@ def deepspeed_capacity(num_tokens: int, num_experts: int, capacity_factor: float
 
 def exact_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int = 1,
                    min_capacity: int = 0) -> int:
-    """:func:`deepspeed_capacity` in exact rational arithmetic (``capacity_factor`` read as its decimal string)."""
+    """:func:`deepspeed_capacity` in exact rational arithmetic (``capacity_factor`` read as its decimal string).
+    Refuses what :func:`deepspeed_capacity` refuses (a factor of -1 gave 0)."""
+    _check_args("exact_capacity", num_tokens=num_tokens, num_experts=num_experts, capacity_factor=capacity_factor,
+                k=k, min_capacity=min_capacity)
     exact = Fraction(str(capacity_factor)) * k * num_tokens / num_experts
     return max(math.ceil(exact), int(min_capacity))
 
 
 def deepspeed_dropless_capacity(local_expert_counts) -> int:
     """DeepSpeed's ``C`` with ``drop_tokens=False`` (0.19.8): the largest per-expert count of ``(W, E)`` or ``(E,)``
-    counts (``torch.max(exp_counts)``, MAX-all-reduced over the expert group); no floor (top-1 caps it at S)."""
+    counts (``torch.max(exp_counts)``, MAX-all-reduced over the expert group); no floor (top-1 caps it at S).
+    All-zero counts (an empty batch) give 0. Refuses empty counts and counts that are not whole numbers >= 0
+    (negative counts gave -1)."""
+    _check_args("deepspeed_dropless_capacity", local_expert_counts=local_expert_counts)
     return int(torch.as_tensor(local_expert_counts).max())
 
 
 def token_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, k: int) -> int:
-    """GShard's token-choice ``ceil(cf * T * k / E)``: ``T`` tokens choose ``k`` of ``E`` experts. (Chapter 09.)"""
+    """GShard's token-choice ``ceil(cf * T * k / E)``: ``T`` tokens choose ``k`` of ``E`` experts. (Chapter 09.)
+    ``T = 0`` gives 0. Refuses ``num_tokens`` not an int >= 0, ``num_experts`` or ``k`` not an int >= 1 and
+    ``capacity_factor`` not a finite number >= 0, naming the argument and the value."""
+    _check_args("token_choice_capacity", num_tokens=num_tokens, num_experts=num_experts,
+                capacity_factor=capacity_factor, k=k)
     return math.ceil(capacity_factor * num_tokens * k / num_experts)
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
-    """Expert choice's ``C = ceil(T * cf / E)`` in ``[1, T]``: every expert takes exactly ``C`` tokens. (Ch. 09.)"""
-    if not (isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-            and math.isfinite(capacity_factor) and capacity_factor > 0):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
-    return max(1, min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts)))
+    """Expert choice's ``C = ceil(T * cf / E)`` in ``[1, T]``: every expert takes exactly ``C`` tokens. (Ch. 09.)
+    ``T = 0`` (an empty batch) gives 0: every expert takes no token (it gave 1, a token that does not exist).
+    Refuses ``num_tokens`` not an int >= 0, ``num_experts`` not an int >= 1 and ``capacity_factor`` not a finite
+    number > 0, naming the argument and the value."""
+    _check_args("expert_capacity", positive_factor=True, num_tokens=num_tokens, num_experts=num_experts,
+                capacity_factor=capacity_factor)
+    return max(min(1, num_tokens), min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts)))
 
 
 def fastmoe_gshard_capacity(num_tokens: int, factor: float, top_k: int, tot_expert: int) -> int:
-    """fastmoe's ``GShardGate``: ``floor(ceil(factor * T) * k / tot_expert)`` for this worker's T (can be 0)."""
+    """fastmoe's ``GShardGate``: ``floor(ceil(factor * T) * k / tot_expert)`` for this worker's T (can be 0).
+    Refuses ``num_tokens`` not an int >= 0, ``top_k`` or ``tot_expert`` not an int >= 1 and ``factor`` not a
+    finite number >= 0, naming the argument and the value."""
+    _check_args("fastmoe_gshard_capacity", num_tokens=num_tokens, factor=factor, top_k=top_k, tot_expert=tot_expert)
     return math.ceil(factor * num_tokens) * top_k // tot_expert
 
 
 def fastmoe_switch_capacity(num_tokens: int, factor: float, num_expert: int) -> int:
-    """fastmoe's ``SwitchGate``: ``ceil(factor * T / num_expert)`` per LOCAL expert, over all workers' tokens."""
+    """fastmoe's ``SwitchGate``: ``ceil(factor * T / num_expert)`` per LOCAL expert, over all workers' tokens.
+    ``T = 0`` gives 0. Refuses ``num_tokens`` not an int >= 0, ``num_expert`` not an int >= 1 and ``factor`` not
+    a finite number >= 0, naming the argument and the value."""
+    _check_args("fastmoe_switch_capacity", num_tokens=num_tokens, factor=factor, num_expert=num_expert)
     return math.ceil(factor * num_tokens / num_expert)
 
 
 def fastmoe_dc_capacity(num_tokens: int, factor: float) -> int:
-    """fastmoe's ``DCGate``: ``ceil(factor * T)`` per LOCAL expert, over all workers' tokens."""
+    """fastmoe's ``DCGate``: ``ceil(factor * T)`` per LOCAL expert, over all workers' tokens. ``T = 0`` gives 0.
+    Refuses ``num_tokens`` not an int >= 0 and ``factor`` not a finite number >= 0, naming them and the value."""
+    _check_args("fastmoe_dc_capacity", num_tokens=num_tokens, factor=factor)
     return math.ceil(factor * num_tokens)
 
 
@@ -157,7 +213,9 @@ def drop_over_capacity(gate_idx: torch.Tensor, tot_expert: int, capacity) -> tor
 
     ``capacity``: an int or a ``(tot_expert,)`` tensor of counts. Deterministic: first choices have priority
     over second choices, earlier tokens over later ones. (One worker; taught in chapter 01.)
+    Refuses ``tot_expert`` not an int >= 1 and a ``capacity`` that is not whole numbers of tokens >= 0.
     """
+    _check_args("drop_over_capacity", tot_expert=tot_expert)
     cap = _token_counts(capacity, tot_expert, "drop_over_capacity")
     with torch.no_grad():
         idx = gate_idx if gate_idx.dim() == 2 else gate_idx.reshape(-1, 1)  # (T, k)
@@ -198,7 +256,12 @@ def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, _old_capacity=Non
     ``world_size`` and ``capacity`` are keyword-only: a third positional argument is the 0.2.0 call
     ``limit_by_capacity(gate_idx, tot_expert, capacity)``, which returns :func:`drop_over_capacity`'s result with
     a deprecation warning. fastmoe's positional form is ``labutils.moe.fastmoe.api.limit_by_capacity``.
+
+    Refuses, before any count or exchange, naming the argument and the value: ``num_expert`` or ``world_size``
+    not an int >= 1 (``num_expert=0`` failed inside torch's ``view``), a missing ``world_size=``/``capacity=``
+    and a ``capacity`` that is not whole numbers of tokens >= 0.
     """
+    _check_args("limit_by_capacity", num_expert=num_expert)
     if _old_capacity is not None:
         if (world_size, capacity, group) != (None, None, None):
             raise TypeError("limit_by_capacity: a third positional argument is the 0.2.0 call (gate_idx, tot_expert, "
@@ -207,6 +270,7 @@ def limit_by_capacity(topk_idx: torch.Tensor, num_expert: int, _old_capacity=Non
     if world_size is None or capacity is None:
         raise TypeError("limit_by_capacity(topk_idx, num_expert, *, world_size, capacity, group=None) needs "
                         f"world_size= and capacity=, got world_size={world_size!r}, capacity={capacity!r}")
+    _check_args("limit_by_capacity", world_size=world_size)
     cap = _token_counts(capacity, num_expert, "limit_by_capacity")     # (ne,) per local expert
     tot = num_expert * world_size
     with torch.no_grad():

@@ -8,7 +8,17 @@ so ``x[pos // k]`` is the expert-contiguous input buffer. All steps are plain di
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+from ..data import _size
+
+
+def _tot_expert(where: str, num_expert, world_size=1) -> int:
+    """The core's check of ``num_expert`` and ``world_size``: each an int >= 1 (bools and floats refused), or a
+    ValueError naming ``where``, the argument and its value. Returns ``num_expert * world_size``."""
+    return _size(f"{where}: num_expert", num_expert) * _size(f"{where}: world_size", world_size)
 
 
 def check_top_k(top_k, tot_expert: int) -> None:
@@ -32,8 +42,11 @@ def count_by_gate(gate_idx: torch.Tensor, num_expert: int, world_size: int = 1):
     Returns ``pos`` ``(N,)`` int64 (stable: tokens keep their order within an expert) and
     ``local_expert_count`` ``(world_size*num_expert,)`` int64, the number of choices for each expert.
     (fastmoe also returns the count each worker RECEIVES; here the expert-parallel exchange computes it.)
+
+    Refuses ``num_expert`` or ``world_size`` that is not an int >= 1 (0 experts gave empty counts; a negative
+    number torch's "minlength should be >= 0"), naming the argument and the value, before counting.
     """
-    tot_expert = num_expert * world_size
+    tot_expert = _tot_expert("count_by_gate", num_expert, world_size)
     flat = gate_idx.reshape(-1)                                          # (T*k,)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, tot_expert))
     counts = torch.bincount(key, minlength=tot_expert + 1)[:tot_expert]  # (E,) drops counted in the extra bin
@@ -200,7 +213,11 @@ def check_expert_ids(ids: torch.Tensor, tot_expert: int, name: str = "gate_top_k
     """The lab's one expert-id check: integer ids, each ``-1`` (dropped) or ``0 .. tot_expert-1``.
 
     Raises ``dtype_error`` (ValueError for a gate's output; fastmoe's ``count_by_gate`` raises TypeError) for
-    floating or bool ids and ValueError for ids out of range, naming ``name`` and the range found."""
+    floating or bool ids and ValueError for ids out of range, naming ``name`` and the range found; and a
+    ValueError when ``tot_expert`` (``num_expert * world_size``) is not an int >= 1: there is no expert."""
+    if isinstance(tot_expert, bool) or not isinstance(tot_expert, numbers.Integral) or tot_expert < 1:
+        raise ValueError(f"{name}: num_expert * world_size = {tot_expert!r}: there is no expert to route to; "
+                         "num_expert and world_size must each be an int >= 1")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise dtype_error(f"{name} must hold integer expert ids, got dtype {ids.dtype}")
     if ids.numel():

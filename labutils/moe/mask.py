@@ -17,8 +17,26 @@ def check_mask_pair(mask, mask_dict) -> None:
                          "mask_dict[key]); fastmoe silently ignores one without the other")
 
 
+def check_mask_values(mask_dict, width: int, k: int, where: str = "mask_dict") -> None:
+    """Every ``mask_dict`` value must fit a masked row's ``(k, width)`` outputs: a ``(width,)`` tensor (the same
+    for each of the ``k`` choices) or ``(k, width)`` (anything torch broadcasts to ``(k, width)``, a number
+    included). Refuses any other shape (a ``d_model + 1`` entry value failed inside torch's indexing, after the
+    experts had run), naming the key, the shape and what fits."""
+    for key, value in (mask_dict or {}).items():
+        shape = tuple(torch.as_tensor(value).shape)
+        try:
+            fits = torch.broadcast_shapes(shape, (k, width)) == (k, width)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{where}[{key!r}] has shape {shape}, which does not fit a masked row's output: "
+                             f"expected ({width},) (d, the experts' output width) or ({k}, {width}) (top_k, d)")
+
+
 def check_mask(mask, mask_dict, num_tokens: int):
-    """``(T,)`` mask values (``None`` without a mask), checked: one per row, each 0 or a key of ``mask_dict``."""
+    """``(T,)`` mask values (``None`` without a mask), checked: one per row, each 0 or a key of ``mask_dict``.
+    Refuses a mask of the wrong length and a mask value missing from ``mask_dict``. (The shape of each
+    ``mask_dict`` value is checked by :func:`fill_masked`, which knows the experts' output width.)"""
     if mask is None:
         return None
     mask = torch.as_tensor(mask).reshape(-1)
@@ -36,7 +54,9 @@ def check_mask(mask, mask_dict, num_tokens: int):
 
 def fill_masked(y: torch.Tensor, mask: torch.Tensor, mask_dict, k: int) -> torch.Tensor:
     """``(T_kept*k, d)`` expert outputs of the rows whose ``mask`` is 0 -> ``(T*k, d)``: a masked row takes
-    ``mask_dict[its mask value]`` for each of its ``k`` choices, the others zero."""
+    ``mask_dict[its mask value]`` for each of its ``k`` choices, the others zero. Refuses a ``mask_dict`` value
+    that does not fit ``(k, d)`` (:func:`check_mask_values`) before writing anything."""
+    check_mask_values(mask_dict, y.shape[-1], k)
     T = mask.numel()
     full = y.new_zeros(T, k, y.shape[-1])                                    # (T, k, d)
     full[mask == 0] = y.view(-1, k, y.shape[-1])

@@ -13,6 +13,8 @@ one token at a time, the routing is not the one it was trained with.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..capacity import expert_capacity  # C = ceil(T * cf / E): the formula, with the core's others
@@ -22,7 +24,11 @@ __all__ = ["expert_capacity", "expert_choice_route"]
 
 def expert_choice_route(scores: torch.Tensor, capacity: int):
     """``scores`` ``(T, E)`` -> ``(token_idx (E, C), gates (E, C))``: expert e's C best tokens and their scores.
-    Ties go to the earlier token (``torch.topk`` order on CPU is not promised; a stable sort is used)."""
+    Ties go to the earlier token (``torch.topk`` order on CPU is not promised; a stable sort is used).
+
+    Refuses, naming the argument and the value: ``scores`` that are not ``(T, E)`` or hold NaN/inf;
+    ``capacity`` not an int (TypeError: 2.5 failed inside the slicing) or not between 1 and ``T`` (0 only for
+    an empty batch, ``T = 0``: every expert takes no token, as :func:`expert_capacity` gives)."""
     if scores.dim() != 2:
         raise ValueError(f"expert_choice_route needs scores (tokens, experts), got {tuple(scores.shape)}")
     T = scores.shape[0]
@@ -31,7 +37,11 @@ def expert_choice_route(scores: torch.Tensor, capacity: int):
         raise ValueError(f"expert_choice_route: scores of token(s) {bad[:10].tolist()} (of {T}) are NaN or "
                          "infinite (a NaN in the router input x?); every score must be finite, or that token "
                          "takes the first slot of every expert")
-    if not 1 <= capacity <= T:
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
+        raise TypeError(f"expert_choice_route: capacity must be an int between 1 and the number of tokens {T} "
+                        f"(expert_capacity(T, E, capacity_factor) gives it), got {capacity!r} "
+                        f"({type(capacity).__name__})")
+    if not (1 <= capacity <= T or capacity == T == 0):
         raise ValueError(f"capacity={capacity} must be between 1 and the number of tokens {T}")
     order = torch.sort(scores.t(), dim=1, descending=True, stable=True).indices[:, :capacity]  # (E, C)
     return order, scores.t().gather(1, order)                                                  # (E, C) x2

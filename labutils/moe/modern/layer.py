@@ -17,6 +17,9 @@ slots not served; for expert choice the share of tokens that got no expert), ``l
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -30,7 +33,12 @@ ROUTINGS = ("token", "expert")
 
 
 class ModernMoE(nn.Module):
-    """``(..., d) -> (..., d)``. ``num_experts`` routed experts of width ``d_hidden``, ``top_k`` per token."""
+    """``(..., d) -> (..., d)``. ``num_experts`` routed experts of width ``d_hidden``, ``top_k`` per token.
+
+    Refused at construction, naming the argument and the value: an unknown ``routing``; ``capacity_factor``
+    neither None nor a finite number > 0 (inf failed at the first forward with an OverflowError); expert
+    routing without a ``capacity_factor``; and what :class:`TopKRouter` refuses (``top_k``, ``route_scale``,
+    ``balance_coef``, ``z_coef``, ``bias_rate``, ...)."""
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, top_k: int = 2, *, routing: str = "token",
                  n_shared: int = 0, shared_hidden: int | None = None, capacity_factor: float | None = None,
@@ -38,8 +46,11 @@ class ModernMoE(nn.Module):
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor}")
+        if capacity_factor is not None and not (isinstance(capacity_factor, numbers.Real)
+                                                and not isinstance(capacity_factor, bool)
+                                                and math.isfinite(capacity_factor) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be None (dropless) or a finite number > 0, got "
+                             f"{capacity_factor!r}")
         if routing == "expert" and capacity_factor is None:
             raise ValueError("expert-choice routing needs a capacity_factor (C = ceil(cf * T / E) tokens per expert)")
         self.d_model, self.num_experts, self.top_k, self.routing = d_model, num_experts, top_k, routing

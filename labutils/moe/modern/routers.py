@@ -11,6 +11,9 @@ The router keeps fastmoe's gate interface (``tot_expert``, ``set_loss``/``get_lo
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -22,6 +25,17 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCE_KINDS = ("none", "batch", "sequence")
 
 
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_weight(name: str, value, bound: str) -> None:
+    """A finite number ``> 0`` or ``>= 0`` (``bound``), or a ValueError naming ``name`` and the value."""
+    ok = _real(value) and math.isfinite(value) and (value > 0 if bound == "> 0" else value >= 0)
+    if not ok:
+        raise ValueError(f"TopKRouter: {name} must be a finite number {bound}, got {value!r}")
+
+
 class TopKRouter(BaseGate):
     """``router(x, seq_len=None)`` with ``x`` ``(T, d)`` -> ``(idx (T, k), weights (T, k), scores (T, E))``.
 
@@ -31,6 +45,12 @@ class TopKRouter(BaseGate):
     * ``balance``: ``"none"``, ``"batch"`` or ``"sequence"`` balancing loss, weighted by ``balance_coef``.
     * ``z_coef``: weight of the ST-MoE z-loss (0 = off).
     While training, ``tokens_per_expert`` accumulates the choices per expert (what the bias update reads).
+
+    Refused at construction, naming the argument and the value: an unknown ``score_func`` or ``balance``;
+    ``top_k`` not an int (TypeError: torch's ``topk`` failed at the first forward) or not between 1 and
+    ``num_experts``; ``route_scale`` not a finite number > 0 (NaN made every weight NaN); ``balance_coef`` and
+    ``z_coef`` not finite numbers >= 0 (NaN made the aux loss NaN); ``bias_rate`` neither None nor a finite
+    number > 0.
     """
 
     expert_bias: torch.Tensor | None     # (E,) buffer, or None without bias_rate
@@ -44,10 +64,16 @@ class TopKRouter(BaseGate):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if balance not in BALANCE_KINDS:
             raise ValueError(f"balance must be one of {BALANCE_KINDS}, got {balance!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"TopKRouter: top_k must be an int between 1 and num_experts={num_experts}, got "
+                            f"{top_k!r} ({type(top_k).__name__})")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
-        if bias_rate is not None and not bias_rate > 0:
-            raise ValueError(f"bias_rate must be None or > 0, got {bias_rate}")
+        if bias_rate is not None and not (_real(bias_rate) and math.isfinite(bias_rate) and bias_rate > 0):
+            raise ValueError(f"bias_rate must be None or a finite number > 0, got {bias_rate!r}")
+        _check_weight("route_scale", route_scale, "> 0")
+        _check_weight("balance_coef", balance_coef, ">= 0")
+        _check_weight("z_coef", z_coef, ">= 0")
         self.d_model, self.top_k = d_model, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, float(route_scale)
         self.bias_rate, self.balance, self.balance_coef, self.z_coef = bias_rate, balance, balance_coef, z_coef
