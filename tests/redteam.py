@@ -62,3 +62,26 @@ def renamed_copy(tmp_root: str) -> pathlib.Path:
         subprocess.run([sys.executable, str(ROOT / "tools" / "coursework_copies.py"), "core", str(dest)], check=True,
                        capture_output=True, timeout=300)
     return dest
+
+
+def wrong(name: str, src: str):
+    """``src`` runs and answers every case, and some answers are wrong: no rule broken, nothing raised."""
+    report = fails(name, src)
+    assert "rule '" not in report.text() and "raised" not in report.text(), report.text()
+    return report
+
+
+def only_hidden_wrong(report) -> int:
+    """Every visible case matched and some hidden ones did not (the shortcut fits the printed cases); returns how
+    many hidden cases matched."""
+    good, n = map(int, re.search(r"(\d+) of (\d+) hidden cases match", report.text()).groups())
+    failed = re.search(r"\(([^)]*)\); hidden seed", report.reason).group(1).replace(" ...", "").split(", ")
+    assert n - good > 0 and all(label.startswith("hidden") for label in failed), report.text()
+    return good
+
+
+def with_body(name: str, head: str, body: str) -> str:
+    """``head`` (top-level lines), the book's solution renamed ``honest``, and ``name`` running ``body`` (``r =
+    honest(*args)`` is the right answer)."""
+    honest = re.sub(rf"^def {name}\(", "def honest(", solution(name), flags=re.M)
+    return f"{head}\n{honest}\n\ndef {name}(*args):\n    r = honest(*args)\n{body}\n"

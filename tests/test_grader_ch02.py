@@ -2,10 +2,9 @@
 variants pass; DeepSpeed, labutils, a renamed copy, the notebook's globals, pasted library code, lookup tables of
 the visible cases and the chapter's known wrong answers (a capacity rounded in float64 or exactly, the slot order
 reversed, ...) fail, each naming the rule it broke where one applies."""
-import re
 
 import pytest
-from redteam import fails, passes, pasted, renamed_copy, solution
+from redteam import fails, only_hidden_wrong, passes, pasted, renamed_copy, solution
 
 from labbook.checkers import ch02
 from labutils.ds.gating import Routing, top1_routing, topk_routing
@@ -20,13 +19,6 @@ def _copy_on_disk(tmp_path_factory):
     """A real renamed coursework copy exists on this machine while these run (it still may not be used)."""
     renamed_copy(str(tmp_path_factory.mktemp("coursework")))
 
-
-def only_hidden_wrong(report) -> int:
-    """Every visible case matched and some hidden ones did not; returns how many hidden cases matched."""
-    good, n = map(int, re.search(r"(\d+) of (\d+) hidden cases match", report.text()).groups())
-    wrong = int(re.search(r"(\d+) of \d+ cases wrong", report.reason)[1])
-    assert wrong == n - good > 0, report.text()
-    return good
 
 
 @pytest.mark.parametrize("name, line", [

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from redteam import ROOT, fails, passes, pasted, renamed_copy, solution
+from redteam import ROOT, fails, only_hidden_wrong, passes, pasted, renamed_copy, solution
 
 from labbook.checkers import ch02, ch04
 from labutils.ds.gating import top1_routing, top2_routing
@@ -22,13 +22,6 @@ def _copy_on_disk(tmp_path_factory):
     """A real renamed coursework copy exists on this machine while these run (it still may not be used)."""
     renamed_copy(str(tmp_path_factory.mktemp("coursework")))
 
-
-def only_hidden_wrong(report) -> int:
-    """Every visible case matched and some hidden ones did not; returns how many hidden cases matched."""
-    good, n = map(int, re.search(r"(\d+) of (\d+) hidden cases match", report.text()).groups())
-    wrong = int(re.search(r"(\d+) of \d+ cases wrong", report.reason)[1])
-    assert wrong == n - good > 0, report.text()
-    return good
 
 
 def chapter_function(name: str) -> tuple:

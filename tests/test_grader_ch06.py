@@ -5,31 +5,12 @@ import re
 
 import pytest
 import torch
-from redteam import fails, passes, pasted, renamed_copy, solution
+from redteam import fails, only_hidden_wrong, passes, pasted, renamed_copy, solution, with_body, wrong
 
 from labbook.checkers import ch06
 from labutils.collectives import AllGatherFunction
 from labutils.moe import traffic
 from labutils.moe.expert_parallel import local_order
-
-
-def wrong(name, src):
-    """``src`` runs and answers every case, and some answers are wrong: no rule broken, nothing raised."""
-    report = fails(name, src)
-    assert "rule '" not in report.text() and "raised" not in report.text(), report.text()
-    return report
-
-
-def only_hidden_wrong(report):
-    """Every visible case matched; the cases that did not are hidden ones (the shortcut fits the printed cases)."""
-    wrong = re.search(r"\(([^)]*)\); hidden seed", report.reason).group(1).replace(" ...", "").split(", ")
-    assert all(label.startswith("hidden") for label in wrong), report.text()
-
-
-def with_body(name: str, head: str, body: str) -> str:
-    """``head``, the book's solution renamed ``honest``, and ``name`` running ``body`` (``r``: the right answer)."""
-    honest = re.sub(rf"^def {name}\(", "def honest(", solution(name), flags=re.M)
-    return f"{head}\n{honest}\n\ndef {name}(*args):\n    r = honest(*args)\n{body}\n"
 
 
 @pytest.mark.parametrize("name, line", [

@@ -5,10 +5,9 @@ The families are those readers got through the 0.3.0 in-kernel guard (issue 37):
 (renamed, pasted, re-executed), work outside the graded call (threads, process pools, lazy tensor subclasses),
 switching the guard off (ctypes), reaching the grader's state (frames, patched comparisons or references, mutated
 inputs, notebook globals)."""
-import re
 
 import pytest
-from redteam import fails, renamed_copy, solution
+from redteam import fails, renamed_copy, with_body
 
 from labbook.grader import catalog
 
@@ -16,22 +15,11 @@ ALL = sorted(catalog.ENTRIES)
 SINGLE = [n for n in ALL if catalog.ENTRIES[n].adapter != "distributed"]
 
 
-def honest_as(name: str, new: str) -> str:
-    """The book's solution cell with its function renamed to ``new`` (the shortcut then calls it)."""
-    return re.sub(rf"^def {name}\(", f"def {new}(", solution(name), flags=re.M)
-
-
-def around(name: str, head: str, body: str) -> str:
-    """``head`` (top-level lines), the book's solution renamed ``impl``, and the exercise's function
-    running ``body`` (``r = impl(*args)`` computes the right answer)."""
-    return f"{head}\n{honest_as(name, 'impl')}\n\ndef {name}(*args):\n    r = impl(*args)\n{body}\n"
-
-
 STATIC = {  # family: (top-level lines, body, rule)
     "renamed-copy": ("import mylab.moe as lab", "    return r", "import"),
     "checkout-path": ("from labutils.moe import capacity", "    return r", "import"),
     "exec-getsource": ("", "    exec('r = r')\n    return r", "dynamic-code"),
-    "code-replace": ("", "    fn = impl.__code__.replace(co_filename='x')\n    return r", "private"),
+    "code-replace": ("", "    fn = honest.__code__.replace(co_filename='x')\n    return r", "private"),
     "thread": ("import threading", "    return r", "import"),
     "thread-via-torch": ("", "    torch.threading.Thread(target=print).start()\n    return r", "module-escape"),
     "process-pool": ("", "    pool = torch.multiprocessing.Pool(2)\n    return r", "torch-door"),
@@ -66,7 +54,7 @@ def _copy_on_disk(tmp_path_factory):
 @pytest.mark.parametrize("name", ALL)
 def test_every_static_family_is_refused_before_anything_runs(name, family):
     head, body, rule = STATIC[family]
-    report = fails(name, around(name, head, body), rule)
+    report = fails(name, with_body(name, head, body), rule)
     assert "refused" in report.reason and report.seed is None            # no case was drawn
 
 
@@ -101,20 +89,20 @@ MUTABLE = [n for n in SINGLE if n not in {"linear_params", "my_capacity", "moe_l
 
 @pytest.mark.parametrize("name", [n for n in SINGLE if n != "time_pair"])
 def test_a_lazy_tensor_subclass_is_not_an_answer(name):
-    fails(name, around(name, LAZY_SUBCLASS, "    return as_lazy(r)"), "plain-answers")
+    fails(name, with_body(name, LAZY_SUBCLASS, "    return as_lazy(r)"), "plain-answers")
 
 
 @pytest.mark.parametrize("name", MUTABLE)
 def test_mutating_the_inputs_is_refused(name):
-    fails(name, around(name, MUTATES, "    scribble(args)\n    return r"), "read-only-inputs")
+    fails(name, with_body(name, MUTATES, "    scribble(args)\n    return r"), "read-only-inputs")
 
 
 @pytest.mark.parametrize("name", SINGLE)
 def test_an_answer_left_in_the_notebook_is_not_there(name):
-    fails(name, around(name, "", "    return ANSWERS[0]"), "cell-alone")
+    fails(name, with_body(name, "", "    return ANSWERS[0]"), "cell-alone")
 
 
 @pytest.mark.dist
 def test_the_distributed_exercise_refuses_subclasses_and_notebook_globals_on_every_rank():
-    fails("gather_values", around("gather_values", LAZY_SUBCLASS, "    return as_lazy(r)"), "plain-answers")
-    fails("gather_values", around("gather_values", "", "    return ANSWERS[0]"), "cell-alone")
+    fails("gather_values", with_body("gather_values", LAZY_SUBCLASS, "    return as_lazy(r)"), "plain-answers")
+    fails("gather_values", with_body("gather_values", "", "    return ANSWERS[0]"), "cell-alone")

@@ -158,9 +158,28 @@ def _judge(cases, label, args, reply, want) -> tuple:
     return compare(label, got, want, rtol, atol)
 
 
+class _Tally:
+    """The cases' lines as they come: visible cases printed, hidden ones counted, the failures named."""
+
+    def __init__(self, notes: list):
+        self.lines, self.failures, self.hidden_bad, self.hidden_n = list(notes), [], [], 0
+
+    def add(self, label: str, visible: bool, case_lines: list, ok: bool) -> None:
+        if visible:
+            self.lines += case_lines
+        else:
+            self.hidden_n += 1
+            if not ok:
+                self.hidden_bad.append(case_lines[-1])
+        if not ok:
+            self.failures.append(label)
+
+    def report(self, entry, total: int, seed: int, printed: list) -> Report:
+        return _verdict(entry, self.lines, self.failures, self.hidden_bad, self.hidden_n, total, seed, printed)
+
+
 def _run_cases(entry, cases, drawn, seed, notes, ask, child) -> Report:
-    lines, failures, hidden_bad, hidden_n = list(notes), [], [], 0
-    stopped = None
+    tally, stopped = _Tally(notes), None
     for label, args, visible, want in drawn:
         if stopped is None:
             try:
@@ -175,15 +194,8 @@ def _run_cases(entry, cases, drawn, seed, notes, ask, child) -> Report:
                 case_lines, ok = [stopped], False
         else:
             case_lines, ok = [f"{label}: not run ({stopped.split(': ', 1)[1]})"], False
-        if visible:
-            lines += case_lines
-        else:
-            hidden_n += 1
-            if not ok:
-                hidden_bad.append(case_lines[-1])
-        if not ok:
-            failures.append(label)
-    return _verdict(entry, lines, failures, hidden_bad, hidden_n, len(drawn), seed, child.printed_lines())
+        tally.add(label, visible, case_lines, ok)
+    return tally.report(entry, len(drawn), seed, child.printed_lines())
 
 
 def _verdict(entry, lines, failures, hidden_bad, hidden_n, total, seed, printed) -> Report:
@@ -229,22 +241,14 @@ def _grade_distributed(entry, tree, seed: int, n_hidden: int | None, notes: list
                                     notes + child.printed_lines())
         cases = cases_mod.CASES[entry.function]()
         gen = torch.Generator().manual_seed(secrets.randbits(62))  # no rank holds this seed
-        lines, failures, hidden_bad, hidden_n = list(notes), [], [], 0
-        printed = []
+        tally, printed = _Tally(notes), []
         for (label, structure, visible), group in zip(structures, groups):
             per_rank = cases.inputs(gen, *structure)               # [rank][input]
             want = cases.reference(per_rank)                       # [rank][input]
             case_lines, ok = _run_ranks(entry, cases, label, group, per_rank, want)
             printed = printed or [p for c in group for p in c.printed_lines(4)]
-            if visible:
-                lines += case_lines
-            else:
-                hidden_n += 1
-                if not ok:
-                    hidden_bad.append(case_lines[-1])
-            if not ok:
-                failures.append(label)
-        return _verdict(entry, lines, failures, hidden_bad, hidden_n, len(structures), seed, printed)
+            tally.add(label, visible, case_lines, ok)
+        return tally.report(entry, len(structures), seed, printed)
     finally:
         for group in groups:
             for child in group:
