@@ -1,6 +1,6 @@
 """Where a solution's source comes from: the cell that defines the exercise's function, read from the notebook
-file an instructor grades, or from the history of the student's own kernel (feedback). The grader only ever takes
-this text, never an object from the student's kernel. (Part of the grader.)"""
+file an instructor grades, or from the student's own kernel (feedback: IPython's copy of the cell's text). The
+grader only ever takes this text, never an object from the student's kernel. (Part of the grader.)"""
 from __future__ import annotations
 
 import json
@@ -27,7 +27,12 @@ def from_notebook(path, function: str) -> str | None:
 
 
 def from_kernel(function: str) -> str:
-    """The last cell run in this IPython kernel that defines ``function`` (the cell running now excepted)."""
+    """The text of the cell that defined the function now bound to ``function`` in this IPython kernel (IPython
+    keeps every cell's text for its tracebacks, under the file name its code carries), else the last cell in the
+    kernel's history that defines it (the cell running now excepted). Only the text is used: it is graded, not the
+    object."""
+    import linecache
+
     try:
         from IPython import get_ipython
     except ImportError:
@@ -36,6 +41,11 @@ def from_kernel(function: str) -> str:
     if ip is None:
         raise ValueError(f"grade({function!r}) outside a notebook: pass source= (the text of your solution, e.g. "
                          "open('my_solution.py').read())")
+    code = getattr(ip.user_ns.get(function), "__code__", None)
+    if code is not None:
+        cell = "".join(linecache.getlines(code.co_filename))
+        if defines(cell, function):
+            return cell
     history = list(ip.history_manager.input_hist_raw)[:-1]    # the last entry is the cell running now
     for cell in reversed(history):
         if defines(cell, function):
