@@ -268,3 +268,27 @@ def test_the_nbgrader_preprocessor_grades_out_of_the_kernel_and_marks_failures_a
     kinds = [o.output_type for o in bad.cells[1].outputs]
     assert kinds == ["stream", "error"] and "faked" not in bad.cells[1].outputs[0].text
     assert bad.cells[0].outputs == []                         # the solution cell is left as it is
+
+
+def test_in_a_kernel_the_submission_is_the_cells_text_with_or_without_stored_history():
+    """nbval runs cells without storing them in the history: the text then comes from IPython's own copy of the
+    cell (the file name the function's code carries); a redefinition in a later cell is what is graded."""
+    script = textwrap.dedent('''
+        from IPython.core.interactiveshell import InteractiveShell
+        from labbook.grader import source
+        ip = InteractiveShell.instance()
+        ip.run_cell("def my_topk_gate(l, k):\\n    return 1  # first\\n", store_history=False)
+        ip.run_cell("x = 2", store_history=False)
+        first = source.from_kernel("my_topk_gate")
+        ip.run_cell("def my_topk_gate(l, k):\\n    return 2  # second\\n", store_history=True)
+        print(repr(first), repr(source.from_kernel("my_topk_gate")))
+        try:
+            source.from_kernel("my_switch_loss")
+        except LookupError as exc:
+            print("LookupError", exc)
+    ''')
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "'def my_topk_gate(l, k):\\n    return 1  # first\\n'" in out and "# second" in out.split(" ", 1)[1], out
+    assert "LookupError no cell defining `def my_switch_loss(...)` has run in this kernel" in out
