@@ -167,7 +167,7 @@ def test_bad_arguments_are_clear():
 
 
 def test_grade_prints_the_report_and_raises_on_a_wrong_answer(capsys):
-    assert grade("my_switch_loss", source=solution("my_switch_loss"), seed=3).passed
+    assert grade("my_switch_loss", source=solution("my_switch_loss"), seed=3) is None      # printed, not returned
     assert "✅ my_switch_loss: all 11 cases match" in capsys.readouterr().out
     with pytest.raises(AssertionError, match=r"my_switch_loss: 1\d of 11 cases wrong"):
         grade("my_switch_loss", source="def my_switch_loss(logits):\n    return torch.tensor(1.0)\n")

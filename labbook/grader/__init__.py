@@ -22,10 +22,11 @@ from __future__ import annotations
 from labbook.grader.catalog import ENTRIES, entry
 
 
-def grade(exercise: str, source: str | None = None, *, seed: int | None = None, n_hidden: int | None = None):
+def grade(exercise: str, source: str | None = None, *, seed: int | None = None,
+          n_hidden: int | None = None) -> None:
     """Grade your solution to ``exercise`` (the name of the function your solution cell defines) and print what the
     instructor's grader will say: one line per visible case, a count of the hidden cases, the verdict. Raises
-    AssertionError when it fails. ``source``: the solution's text (default: the last cell run in this notebook that
+    AssertionError when it fails; returns nothing (the report is printed). ``source``: the solution's text (default: the last cell run in this notebook that
     defines the function). The grading runs in a separate, sandboxed process that never sees your kernel: this is
     the same verdict the instructor's ``python -m labbook.grader grade`` gives on your saved notebook."""
     from labbook.grader import service
@@ -40,7 +41,6 @@ def grade(exercise: str, source: str | None = None, *, seed: int | None = None, 
     print(report.text())
     if not report.passed:
         raise AssertionError(f"{e.function}: {report.reason}")
-    return report
 
 
 __all__ = ["ENTRIES", "entry", "grade"]

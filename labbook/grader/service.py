@@ -5,6 +5,7 @@ instructor's command (grades) talk to it the same way: a JSON line in (exercise,
 report). (Part of the grader.)"""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -119,6 +120,7 @@ class Service:
 
 
 _SERVICE = Service()
+atexit.register(_SERVICE.close)
 
 
 def grade(exercise: str, source: str, seed=None, n_hidden=None, case_timeout_s=None) -> Report:
