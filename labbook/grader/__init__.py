@@ -26,9 +26,10 @@ def grade(exercise: str, source: str | None = None, *, seed: int | None = None,
           n_hidden: int | None = None) -> None:
     """Grade your solution to ``exercise`` (the name of the function your solution cell defines) and print what the
     instructor's grader will say: one line per visible case, a count of the hidden cases, the verdict. Raises
-    AssertionError when it fails; returns nothing (the report is printed). ``source``: the solution's text (default: the last cell run in this notebook that
-    defines the function). The grading runs in a separate, sandboxed process that never sees your kernel: this is
-    the same verdict the instructor's ``python -m labbook.grader grade`` gives on your saved notebook."""
+    AssertionError when it fails; returns nothing (the report is printed). ``source``: the solution's text
+    (default: the cell that defined the function, in this notebook). The grading runs in a separate, sandboxed
+    process that never sees your kernel: this is the same verdict the instructor's ``python -m labbook.grader
+    grade`` gives on your saved notebook."""
     from labbook.grader import service
     from labbook.grader import source as sources
 
