@@ -57,7 +57,7 @@ QUICK = dict(d_model=64, d_hidden=128, top_k=2, reps=2, budget_s=2,
              einsum_max_mb=64)
 # chapter 08's live run, tiny and full presets (keep in step with the chapter's select_preset): the record its
 # live relative costs and phase shares are checked against
-LIVE_TINY = dict(d_model=128, d_hidden=256, top_k=2, reps=5, budget_s=None,
+LIVE_TINY = dict(d_model=128, d_hidden=256, top_k=2, reps=15, budget_s=None,   # the record: 15 rounds; live: 5
                  experts=dict(tokens=512, num_expert=[4, 32]),
                  breakdown=dict(num_expert=16, tokens_per_expert=[16, 128]), einsum_max_mb=512)
 LIVE_FULL = dict(d_model=256, d_hidden=512, top_k=2, reps=5, budget_s=None,
