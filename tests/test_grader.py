@@ -94,6 +94,7 @@ ESCAPES = {
     "gc walk": "    torch.sys.modules['gc'].get_objects()\n    return 1.0",
     "import the library": "    torch.importlib.import_module('labutils')\n    return 1.0",
     "import deepspeed": "    torch.importlib.import_module('deepspeed')\n    return 1.0",
+    "import a stdlib module": "    torch.importlib.import_module('mailbox')\n    return 1.0",
     "run new code": "    torch.builtins.exec('x = 1')\n    return 1.0",
     "build a code object": "    c = (lambda: 0).__code__.replace(co_name='y')\n    return 1.0",
     "builtins import": "    import subprocess\n    return 1.0",

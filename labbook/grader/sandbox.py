@@ -96,7 +96,7 @@ def install_hook(policy, student_code) -> None:
                 state["student_exec"] = True
                 return
             where = getattr(code, "co_filename", "")
-            if not _asked_by_solution(through_importlib=False) and (
+            if not _asked_by_solution() and (   # whoever asked, past importlib (import_module has no event)
                     where == "<string>" or (_under(where, readable) and not _under(where, denied))):
                 return          # modules torch imports lazily, and the named tuples they generate
             raise PermissionError(f"grader policy: running code from {where or code!r} is not allowed")
