@@ -34,3 +34,18 @@ def wait_gone(tag: dict, seconds: float = 5.0) -> list:
             return []
         time.sleep(0.1)
     return tagged_pids(tag)
+
+
+def describe(pids: list) -> str:
+    """One line per process: pid, state, parent and command line (what a failed "nothing outlived" check shows)."""
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            lines.append(f"pid {pid} state {fields[0]} parent {fields[1]}: {cmd[:200]}")
+        except OSError:
+            lines.append(f"pid {pid}: gone while being described")
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from launch_helpers import new_tag, tagged_pids, wait_gone
+from launch_helpers import describe, new_tag, tagged_pids, wait_gone
 
 from labbook.lm_study import StudyConfig, variants
 from labutils import WorkerError, count_params, launch, worker_info
@@ -325,7 +325,10 @@ def test_a_killed_callers_directory_goes_when_its_workers_exit(tmp_path):
     assert len(tagged_pids(tag)) >= 6 and len(launch_dirs(folder)) == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=20)
-    assert wait_gone(tag, 10) == [], "workers outlived their caller"
+    # The zygote's own exit can take ~7 s (reap 2 s, then up to 5 s for its new parent) on a loaded machine: the
+    # claim is that everything goes, not how fast, so wait 30 s and name whatever is left.
+    left = wait_gone(tag, 30)
+    assert left == [], f"workers outlived their caller:\n{describe(left)}"
     deadline = time.monotonic() + 10
     while launch_dirs(folder) and time.monotonic() < deadline:
         time.sleep(0.1)
