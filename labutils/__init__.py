@@ -33,7 +33,7 @@ _EXPORTS = {
     # chapter 00: foundation
     "launch": "launcher", "WorkerError": "launcher", "worker_info": "launcher", "default_backend": "backend",
     "select_preset": "presets", "preset_name": "presets",
-    "cmp": "compare", "check": "compare", "assert_close": "compare",
+    "cmp": "compare", "check": "compare", "must_fail": "compare", "assert_close": "compare",
     "compare_tensors": "compare", "compare_models": "compare", "ParityReport": "compare",
     "plot_losses": "plotting", "plot_param_counts": "plotting", "plot_expert_load": "plotting",
     "count_params": "params", "ParamCounts": "params",

@@ -6,6 +6,7 @@ is within tolerance.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +141,18 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     if not ok:
         raise AssertionError(f"FAILED: {name}" + (f"\n{detail}" if detail else ""))
     print(f"✅ {name}")
+
+
+@contextlib.contextmanager
+def must_fail(name: str, errors=AssertionError):
+    """A negative control: the block must raise ``errors`` (a check that fails on a planted bug). Prints what it
+    caught; raises AssertionError naming the control when the block ran through. (Chapter 00.)"""
+    try:
+        yield
+    except errors as err:
+        print(f"✅ {name}: the check fails as it should:", " | ".join(str(err).splitlines()[:2]))
+        return
+    raise AssertionError(f"FAILED: {name}: the block raised nothing, so the check it guards cannot fail")
 
 
 def assert_close(name: str, got, expected, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:

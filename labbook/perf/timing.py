@@ -118,10 +118,14 @@ def clock_name(device: str | torch.device = "cpu") -> str:
 
 def save_result(record: dict, out, root=None) -> str:
     """Write a benchmark record to ``out`` as indented JSON (creating its folder); returns the path to print,
-    relative to ``root`` when ``out`` lies under it. The benchmark scripts write their results with it."""
+    relative to ``root`` when ``out`` lies under it. The benchmark scripts write their results with it; the record
+    gains ``"code"``, the fingerprint of the lab's loaded modules (:mod:`labbook.records`)."""
     import pathlib
 
+    from labbook.records import fingerprint
+
     out = pathlib.Path(out)
+    record = {**record, "code": record.get("code") or fingerprint()}  # tie the record to the code that made it
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     return str(out.relative_to(root)) if root is not None and out.is_relative_to(root) else str(out)
