@@ -13,8 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 COPIED = ("labutils", "labbook", "benchmarks", "notebooks")
 # The editable install's finder would still serve the checkout's labutils to a process whose current directory is
 # not the copy: drop it, in the kernel and in every worker it launches (they inherit PYTHONPATH).
-SITECUSTOMIZE = ('import sys\nsys.meta_path[:] = [f for f in sys.meta_path '
-                 'if "__editable__" not in type(f).__module__ and "__editable__" not in getattr(f, "__module__", "")]\n')
+SITECUSTOMIZE = ('import sys\nsys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in '
+                 'type(f).__module__ and "__editable__" not in getattr(f, "__module__", "")]\n')
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
