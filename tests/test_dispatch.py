@@ -183,7 +183,14 @@ def test_save_result_writes_json_and_reports_a_relative_path(tmp_path):
 
     out = tmp_path / "results" / "x.json"
     assert save_result({"a": [1, 2.5]}, out, tmp_path) == "results/x.json"
-    assert json.loads(out.read_text()) == {"a": [1, 2.5]} and out.read_text().endswith("\n")
+    saved = json.loads(out.read_text())
+    assert saved["a"] == [1, 2.5] and out.read_text().endswith("\n")
+    from labbook import records
+    assert saved["code"] == records.fingerprint() and "labbook/perf/timing.py" in saved["code"]
+    assert records.changed(saved) == [] and "as it is now" in records.code_status(saved)
+    saved["code"]["labbook/perf/timing.py"] = "0" * 16          # the code changed since: the record says so
+    assert records.changed(saved) == ["labbook/perf/timing.py"] and "has changed since" in records.code_status(saved)
+    assert "no code fingerprint" in records.code_status({"a": 1})
     assert save_result({}, out, tmp_path / "elsewhere") == str(out)
 
 
