@@ -15,7 +15,7 @@ export PYTHONHASHSEED       := 0
 
 QUICK  := not dist and not kernel and not browser and not gpu
 
-.PHONY: help book test lab venv lint quick unit nbval execute student student-check bench hooks clean
+.PHONY: help book test lab venv lint quick unit nbval execute student student-check bench hooks clean mutate faults
 
 help:  ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 24
@@ -55,6 +55,12 @@ student: venv  ## student copies with solutions stripped, under build/student/
 
 student-check: venv  ## execute every student copy: runs up to the exercises, checkers fail on blanks
 	$(BIN)/python tools/student.py --check
+
+mutate: venv  ## mutation testing (mutmut): make mutate [MODULE=labutils/moe/capacity.py]; record in docs/mutation.json
+	$(BIN)/python tools/mutate.py $(if $(MODULE),$(MODULE),--all)
+
+faults: venv  ## inject every chapter's listed faults, one line each (tests/test_chapter_faults.py asserts them)
+	$(BIN)/python -m labbook.faults
 
 bench: venv  ## the launcher benchmark (others: python benchmarks/<name>.py)
 	$(BIN)/python benchmarks/launch.py

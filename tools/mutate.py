@@ -1,0 +1,143 @@
+"""Mutation testing of labutils with mutmut (issue 38): how many planted bugs the unit tests catch, per module.
+
+    python tools/mutate.py labutils/moe/capacity.py [more modules]   # what `make mutate MODULE=...` runs
+    python tools/mutate.py --all                                    # every module of TARGETS
+
+Each module runs in its own scratch copy of the repository (build/mutate/<module>/): mutmut 3 mutates it there,
+runs the unit tests that cover each mutated function (the `make quick` set, without the tests that rebuild
+functions from their bytecode, which mutmut's trampolines change) and records killed / survived / timeout per
+mutant. The record, docs/mutation.json, keeps per module the counts, the score over non-equivalent mutants and the
+surviving mutants' names; tools/mutation_equivalent.toml lists the mutants reviewed as equivalent, each with its
+reason. Exit status 1 when a module of TARGETS is below TARGET_SCORE.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECORD = ROOT / "docs" / "mutation.json"
+EQUIVALENT = ROOT / "tools" / "mutation_equivalent.toml"
+TARGET_SCORE = 0.95
+# The issue's list: every module of moe/, and these.
+TARGETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "labutils" / "moe").glob("*.py")
+                 if p.name != "__init__.py") + [f"labutils/{m}.py" for m in (
+    "collectives", "agreement", "wire", "stats", "data_parallel", "checkpoint", "launcher")]
+# The tests mutmut runs: the quick set, less the tests that read bytecode or file layout.
+QUICK = "not dist and not kernel and not browser and not gpu"
+NOT_UNDER_MUTATION = ("test_grader*.py", "test_layout.py", "test_chapter_faults.py", "test_browser.py",
+                      "test_portable_copy.py", "test_coursework.py", "test_student.py", "test_setup.py",
+                      "test_readme.py", "test_diagrams.py")
+COPIED = ("labutils", "labbook", "tests", "benchmarks", "notebooks", "tools", "README.md", "docs")
+
+
+def scratch(module: str, fresh: bool) -> pathlib.Path:
+    """A copy of the repository in which mutmut mutates ``module`` only. Without ``fresh``, mutmut's results of
+    an earlier run (``mutants/``) are kept and only the copied sources and tests are refreshed."""
+    work = ROOT / "build" / "mutate" / module.replace("/", "_").removesuffix(".py")
+    if fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    for name in COPIED + ("pyproject.toml",):
+        target = work / name
+        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "mutants")
+    for name in COPIED:
+        src = ROOT / name
+        (shutil.copytree(src, work / name, ignore=ignore) if src.is_dir() else shutil.copy(src, work / name))
+    for pattern in NOT_UNDER_MUTATION:
+        for f in (work / "tests").glob(pattern):
+            f.unlink()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    pyproject += ("\n[tool.mutmut]\n"
+                  'source_paths = ["labutils"]\n'
+                  f'only_mutate = ["{module}"]\n'
+                  'also_copy = ["labbook", "benchmarks", "notebooks", "tools", "README.md", "docs"]\n'
+                  f'pytest_add_cli_args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "{QUICK}"]\n'
+                  'pytest_add_cli_args_test_selection = ["tests"]\n'
+                  "use_git_change_detection = false\n"
+                  # a test's first call may import DeepSpeed or build a process group: seconds of CPU that mutmut's
+                  # per-test limit (15x the recorded time + 1 s) would call a timeout; a timeout is not a kill here
+                  "timeout_constant = 30.0\n")
+    (work / "pyproject.toml").write_text(pyproject)
+    return work
+
+
+def equivalent() -> dict:
+    """{mutant name: reason} reviewed as equivalent (the program's behaviour cannot differ)."""
+    if not EQUIVALENT.exists():
+        return {}
+    data = tomllib.loads(EQUIVALENT.read_text())
+    return {name: entry["reason"] for name, entry in data.get("equivalent", {}).items()}
+
+
+STATUS = re.compile(r"^\s*(?P<name>[\w.]+__mutmut_\d+): (?P<status>[\w ]+)$")
+
+
+def mutate(module: str, fresh: bool) -> dict:
+    work = scratch(module, fresh)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, env=env,
+                         capture_output=True, text=True)
+    took = time.monotonic() - t0
+    listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work, env=env,
+                            capture_output=True, text=True)
+    statuses = {}
+    for line in listed.stdout.splitlines():
+        m = STATUS.match(line)
+        if m:
+            statuses[m["name"]] = m["status"].strip()
+    if not statuses:
+        raise RuntimeError(f"mutmut produced no results for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    eq = equivalent()
+    survived = sorted(n for n, s in statuses.items() if s != "killed" and n not in eq)  # timeouts included
+    counted = [n for n in statuses if n not in eq]
+    killed = sum(statuses[n] == "killed" for n in counted)
+    by_status: dict = {}
+    for s in statuses.values():
+        by_status[s] = by_status.get(s, 0) + 1
+    return {"mutants": len(statuses), "by_status": by_status, "equivalent": sum(n in eq for n in statuses),
+            "killed": killed, "score": round(killed / len(counted), 4) if counted else 1.0,
+            "survivors": survived, "seconds": round(took)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("modules", nargs="*")
+    ap.add_argument("--all", action="store_true", help=f"every module of TARGETS ({len(TARGETS)})")
+    ap.add_argument("--fresh", action="store_true", help="forget mutmut's earlier results for these modules")
+    args = ap.parse_args()
+    modules = TARGETS if args.all else args.modules
+    if not modules:
+        ap.error("give modules (labutils/moe/capacity.py ...) or --all")
+    for m in modules:
+        if not (ROOT / m).is_file() or not m.startswith("labutils/") or not m.endswith(".py"):
+            ap.error(f"module must be a .py file under labutils/, got {m!r}")
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"modules": {}}
+    below = []
+    for m in modules:
+        result = mutate(m, args.fresh)
+        result["source_sha"] = __import__("hashlib").sha256((ROOT / m).read_bytes()).hexdigest()[:16]
+        record["modules"][m] = result
+        RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        mark = "" if result["score"] >= TARGET_SCORE or m not in TARGETS else "  BELOW TARGET"
+        below += [m] if mark else []
+        print(f"{m:<36} {result['killed']:>4}/{result['mutants'] - result['equivalent']:<4} killed "
+              f"({100 * result['score']:.1f}%), {result['equivalent']} equivalent, {len(result['survivors'])} "
+              f"survive, {result['seconds']} s{mark}", flush=True)
+    record["target_score"] = TARGET_SCORE
+    RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
