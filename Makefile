@@ -60,7 +60,7 @@ mutate: venv  ## mutation testing (mutmut): make mutate [MODULE=labutils/moe/cap
 	$(BIN)/python tools/mutate.py $(if $(MODULE),$(MODULE),--all)
 
 faults: venv  ## inject every chapter's listed faults, one line each (tests/test_chapter_faults.py asserts them)
-	$(BIN)/python -m labbook.faults
+	$(BIN)/python -m labbook.faults --record docs/faults.json
 
 bench: venv  ## the launcher benchmark (others: python benchmarks/<name>.py)
 	$(BIN)/python benchmarks/launch.py

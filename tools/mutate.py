@@ -8,11 +8,12 @@ runs the unit tests that cover each mutated function (the `make quick` set, with
 functions from their bytecode, which mutmut's trampolines change) and records killed / survived / timeout per
 mutant. The record, docs/mutation.json, keeps per module the counts, the score over non-equivalent mutants and the
 surviving mutants' names; tools/mutation_equivalent.toml lists the mutants reviewed as equivalent, each with its
-reason. Exit status 1 when a module of TARGETS is below TARGET_SCORE.
+reason. The copy is of the last commit (git archive HEAD). Exit status 1 when a module of TARGETS is below TARGET_SCORE.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -49,14 +50,14 @@ def scratch(module: str, fresh: bool) -> pathlib.Path:
         target = work / name
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "mutants")
-    for name in COPIED:
-        src = ROOT / name
-        (shutil.copytree(src, work / name, ignore=ignore) if src.is_dir() else shutil.copy(src, work / name))
+    # The committed tree, not the working one: the record is of a commit, and half-edited files stay out.
+    archive = subprocess.run(["git", "archive", "HEAD", *COPIED], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
     for pattern in NOT_UNDER_MUTATION:
         for f in (work / "tests").glob(pattern):
             f.unlink()
-    pyproject = (ROOT / "pyproject.toml").read_text()
+    pyproject = subprocess.run(["git", "show", "HEAD:pyproject.toml"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout
     pyproject += ("\n[tool.mutmut]\n"
                   'source_paths = ["labutils"]\n'
                   f'only_mutate = ["{module}"]\n'
@@ -126,7 +127,9 @@ def main() -> int:
     below = []
     for m in modules:
         result = mutate(m, args.fresh)
-        result["source_sha"] = __import__("hashlib").sha256((ROOT / m).read_bytes()).hexdigest()[:16]
+        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                          text=True).stdout.strip()
+        result["source_sha"] = hashlib.sha256((ROOT / m).read_bytes()).hexdigest()[:16]
         record["modules"][m] = result
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         mark = "" if result["score"] >= TARGET_SCORE or m not in TARGETS else "  BELOW TARGET"
