@@ -7,7 +7,7 @@ Each module runs in its own scratch copy of the repository (build/mutate/<module
 runs the unit tests that cover each mutated function (the `make quick` set, without the tests that rebuild
 functions from their bytecode, which mutmut's trampolines change) and records killed / survived / timeout per
 mutant. The record, docs/mutation.json, keeps per module the counts, the score over non-equivalent mutants and the
-surviving mutants' names; tools/mutation_equivalent.toml lists the mutants reviewed as equivalent, each with its
+surviving mutants' names; tools/mutation_equivalent.json lists the mutants reviewed as equivalent, each with its
 reason. The copy is of the last commit (git archive HEAD). Exit status 1 when a module of TARGETS is below TARGET_SCORE.
 """
 from __future__ import annotations
@@ -22,11 +22,10 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "mutation.json"
-EQUIVALENT = ROOT / "tools" / "mutation_equivalent.toml"
+EQUIVALENT = ROOT / "tools" / "mutation_equivalent.json"
 TARGET_SCORE = 0.95
 # The issue's list: every module of moe/, and these.
 TARGETS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "labutils" / "moe").glob("*.py")
@@ -76,8 +75,7 @@ def equivalent() -> dict:
     """{mutant name: reason} reviewed as equivalent (the program's behaviour cannot differ)."""
     if not EQUIVALENT.exists():
         return {}
-    data = tomllib.loads(EQUIVALENT.read_text())
-    return {name: entry["reason"] for name, entry in data.get("equivalent", {}).items()}
+    return {name: entry["reason"] for name, entry in json.loads(EQUIVALENT.read_text()).items()}
 
 
 STATUS = re.compile(r"^\s*(?P<name>[\w.]+__mutmut_\d+): (?P<status>[\w ]+)$")
