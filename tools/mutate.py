@@ -39,16 +39,11 @@ NOT_UNDER_MUTATION = ("test_grader*.py", "test_layout.py", "test_chapter_faults.
 COPIED = ("labutils", "labbook", "tests", "benchmarks", "notebooks", "tools", "README.md", "docs")
 
 
-def scratch(module: str, fresh: bool) -> pathlib.Path:
-    """A copy of the repository in which mutmut mutates ``module`` only. Without ``fresh``, mutmut's results of
-    an earlier run (``mutants/``) are kept and only the copied sources and tests are refreshed."""
+def scratch(module: str) -> pathlib.Path:
+    """A fresh copy of the repository in which mutmut mutates ``module`` only."""
     work = ROOT / "build" / "mutate" / module.replace("/", "_").removesuffix(".py")
-    if fresh:
-        shutil.rmtree(work, ignore_errors=True)
-    for name in COPIED + ("pyproject.toml",):
-        target = work / name
-        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     # The committed tree, not the working one: the record is of a commit, and half-edited files stay out.
     archive = subprocess.run(["git", "archive", "HEAD", *COPIED], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
@@ -81,8 +76,8 @@ def equivalent() -> dict:
 STATUS = re.compile(r"^\s*(?P<name>[\w.]+__mutmut_\d+): (?P<status>[\w ]+)$")
 
 
-def mutate(module: str, fresh: bool) -> dict:
-    work = scratch(module, fresh)
+def mutate(module: str) -> dict:
+    work = scratch(module)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, env=env,
@@ -113,7 +108,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("modules", nargs="*")
     ap.add_argument("--all", action="store_true", help=f"every module of TARGETS ({len(TARGETS)})")
-    ap.add_argument("--fresh", action="store_true", help="forget mutmut's earlier results for these modules")
     args = ap.parse_args()
     modules = TARGETS if args.all else args.modules
     if not modules:
@@ -124,7 +118,7 @@ def main() -> int:
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"modules": {}}
     below = []
     for m in modules:
-        result = mutate(m, args.fresh)
+        result = mutate(m)
         result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                           text=True).stdout.strip()
         result["source_sha"] = hashlib.sha256((ROOT / m).read_bytes()).hexdigest()[:16]
