@@ -79,6 +79,9 @@ DEPRECATED = {
     "perf.breakdown": Shim("module", ("labbook.perf.breakdown",), "0.3.0", "1.0.0"),
     "perf.layer_bench": Shim("module", ("labbook.perf.layer_bench",), "0.3.0", "1.0.0"),
     "perf.verdicts": Shim("module", ("labbook.perf.verdicts",), "0.3.0", "1.0.0"),
+    # deprecated in 0.2.0 and wrongly removed in 0.3.0 (the policy: never before removed_in): restored here
+    "perf.layer_bench.bench_clock": Shim("name", ("labbook.perf.timing.clock",), "0.2.0", "1.0.0"),
+    "perf.layer_bench.machine_info": Shim("name", ("labbook.perf.timing.machine_info",), "0.2.0", "1.0.0"),
 }
 BOOK = "labbook"  # a target in this package is absolute: the book's own package, never part of a copy
 
@@ -152,6 +155,9 @@ def moved_module(old: str, *new: str):
         inner = DEPRECATED.get(f"{rel}.{name}")
         if inner is not None and inner.kind == "module" and f"{old}.{name}" in sys.modules:
             return sys.modules[f"{old}.{name}"]  # the moved module's own shim (register made it)
+        if inner is not None and inner.kind == "name":  # a name the moved module no longer has under that name
+            module_name, _, attr = _target(inner.new[0]).rpartition(".")
+            return deprecated(name, getattr(importlib.import_module(module_name), attr))
         for target in targets:
             module = importlib.import_module(target)
             if hasattr(module, name):
