@@ -11,6 +11,7 @@ Routers with an auxiliary-loss-free bias are updated before each optimiser step 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -93,11 +94,14 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
     the LAST evaluation, ``final_prefix``: the last model scored by :func:`prefix_loss` when ``prefix_eval``,
     ``max_over_mean``/``entropy``: per-window curves, ``batch_max_over_mean``/``batch_min_over_mean``: per-step
     curves of each batch's own load, ``dropped``, ``logit_rms``/``lse2``: per-step curves, ``seconds``) and
-    ``val_steps``. ``seeds``: a non-empty tuple or list of ints, checked before anything trains."""
+    ``val_steps``; ``expert_bias``: per seed, the final auxiliary-loss-free bias of every router that has one,
+    concatenated (an empty tensor when none does). ``seeds``: a non-empty tuple or list of ints, checked before
+    anything trains."""
     seeds = check_seeds("run_variant(seeds=...)", seeds)
     val_x, val_y = fixed_windows(corpus.val, 64, cfg.block)
     out: dict = {k: [] for k in ("val", "final", "final_prefix", "max_over_mean", "entropy", "batch_max_over_mean",
-                                  "batch_min_over_mean", "dropped", "logit_rms", "lse2", "seconds")}
+                                  "batch_min_over_mean", "dropped", "logit_rms", "lse2", "seconds",
+                                  "expert_bias")}
     for seed in seeds:
         model = build_lm(cfg, ffn, corpus.vocab_size, seed)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -113,6 +117,9 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
         if prefix_eval:
             out["final_prefix"].append(prefix_loss(model, val_x, val_y, lm_cross_entropy))
         out["seconds"].append(r.seconds)
+        biases = [m.expert_bias.detach().clone() for m in model.modules()
+                  if isinstance(getattr(m, "expert_bias", None), torch.Tensor)]
+        out["expert_bias"].append(torch.cat(biases) if biases else torch.zeros(0))
         out["val_steps"] = [s for s, _ in r.val]
         stats = _layer_stats([m for m in model.modules() if isinstance(m, ModernMoE)], max(1, cfg.steps // 10))
         for k, v in stats.items():
@@ -246,12 +253,28 @@ def ranking_lines(record: dict, key: str = "final") -> list:
     return lines
 
 
+def holm(pvalues: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values, ``{name: p} -> {name: adjusted p}``: sorted
+    ascending, the ``i``-th smallest (from 1) is multiplied by ``m - i + 1``, capped at 1, and made non-decreasing
+    along the order. Reject a hypothesis at ``alpha`` when its adjusted p is below ``alpha``; the family-wise
+    error rate is then at most ``alpha`` (Holm 1979). NaN p-values (an arm too small to test) stay NaN and are
+    not counted in ``m``. (``labutils.stats`` has no multiple-comparison correction; this is chapter 09's.)"""
+    tested = sorted((p, n) for n, p in pvalues.items() if not math.isnan(p))
+    m, out, running = len(tested), {n: float("nan") for n in pvalues}, 0.0
+    for i, (p, n) in enumerate(tested):
+        running = max(running, min(1.0, (m - i) * p))
+        out[n] = running
+    return out
+
+
 CAUSAL_TOL = 1e-4  # nats: a variant whose prefix evaluation differs more than this saw later tokens
 
 
 def dense_verdicts(record: dict, tol: float = CAUSAL_TOL) -> dict:
     """Every MoE variant of a full record against dense by Welch's t-test (:func:`labutils.stats.welch`) on the
-    last evaluation, ``name -> (Comparison, basis, causal)``: a variant is causal when its generation-style
+    last evaluation, Holm-corrected over the family of these comparisons (:func:`holm`: the Comparison's ``p`` is
+    the adjusted p, its ``test`` says so, and its verdict is "inconclusive" unless the adjusted p is below
+    ``alpha``), ``name -> (Comparison, basis, causal)``: a variant is causal when its generation-style
     (prefix) evaluation matches its full-forward one within ``tol`` on every seed; a leaky one (expert choice, a
     capacity cut) is judged on its prefix evaluation, as it would generate. Needs ``final`` and
     ``final_prefix`` per variant (records from ``benchmarks/modern_moe.py`` since the prefix evaluation)."""
@@ -262,5 +285,9 @@ def dense_verdicts(record: dict, tol: float = CAUSAL_TOL) -> dict:
     causal = {n: max(abs(a - b) for a, b in zip(v["final"], v["final_prefix"])) < tol
               for n, v in by.items() if n != "dense"}
     basis = {n: "final" if c else "final_prefix" for n, c in causal.items()}
-    comparisons = versus({n: by[n][basis[n]] for n in causal}, "dense", by["dense"]["final"])
+    raw = versus({n: by[n][basis[n]] for n in causal}, "dense", by["dense"]["final"])
+    adjusted = holm({n: c.p for n, c in raw.items()})
+    comparisons = {n: dataclasses.replace(c, p=adjusted[n], test=f"{c.test} (p Holm-adjusted over {len(raw)})",
+                                          verdict=c.verdict if adjusted[n] < c.alpha else "inconclusive")
+                   for n, c in raw.items()}
     return {n: (comparisons[n], basis[n], causal[n]) for n in causal}
