@@ -62,7 +62,11 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
     round's; a reference, which designs may beat), ``ratio_separate`` (the same against the E separate MLPs),
     ``kept`` (share of the T*k choices the experts received), ``rows`` (rows computed / (T*k): above 1 is
     padding), ``equal_to_loop``/``max_abs_diff``, ``wait_share`` (median over rounds of 1 - clock time / wall
-    time: with one thread, time the step spent not running, e.g. sleeping), ``peak_mb`` and ``conditions``
+    time: with one thread, time the step spent not running), ``voluntary_switches`` and ``involuntary_switches``
+    (median per step, :func:`~labbook.perf.timing.context_switches`: which of the two that time was, sleeping or
+    waiting vs preempted by other processes), ``times_s``/``walls_s`` (every round's clock and wall seconds, so a
+    reader can recompute each summary), ``y_sum``/``y_abs_sum`` (float64 sums of the output this very run
+    computed, None for the references: a record cannot stand in for a live run), ``peak_mb`` and ``conditions``
     (:func:`~labbook.perf.timing.run_conditions`). ``designs`` passes prebuilt designs (e.g. a patched one).
     A design that raises is reported as ``{"design", "error"}`` instead.
     """
@@ -92,8 +96,9 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
         raise AssertionError(f"at T={p.T} E={p.E} k={p.top_k} d={p.d} h={p.h}, these designs differ from the naive "
                              f"loop: {', '.join(wrong)}")
     wall: dict = {}
+    switches: dict = {}
     times = bench({n: (lambda fn=fn: fwd_bwd(fn, p)) for n, fn in designs.items()}, reps=reps, warmup=0,
-                  device=device, budget_s=budget_s, wall=wall)
+                  device=device, budget_s=budget_s, wall=wall, switches=switches)
     cond = run_conditions(len(times[limit]), min_rounds, device)
     rows = []
     for n in designs:
@@ -105,6 +110,11 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
                "kept": outs[n].kept / (p.T * p.top_k), "rows": outs[n].rows / (p.T * p.top_k),
                "wait_share": quartiles([max(0.0, 1.0 - c / w) if w > 0 else 0.0
                                         for c, w in zip(times[n], wall[n])])[1],
+               "voluntary_switches": quartiles([v for v, _ in switches[n]])[1],
+               "involuntary_switches": quartiles([i for _, i in switches[n]])[1],
+               "times_s": list(times[n]), "walls_s": list(wall[n]),
+               "y_sum": None if grads.get(n) is None else float(outs[n].y.detach().double().sum()),
+               "y_abs_sum": None if grads.get(n) is None else float(outs[n].y.detach().double().abs().sum()),
                "conditions": cond, **equal.get(n, {})}
         if memory:
             p.zero_grad()  # free the previous design's gradients before the measurement starts

@@ -21,8 +21,9 @@ import time
 
 import torch
 
-__all__ = ["sync", "clock", "bench", "run_conditions", "describe_conditions", "MIN_ROUNDS", "fit_latency_bandwidth",
-           "summarize", "save_result", "matmul_gflops", "peak_memory", "machine_info", "cpu_model", "clock_name"]
+__all__ = ["sync", "clock", "bench", "context_switches", "run_conditions", "describe_conditions", "MIN_ROUNDS",
+           "fit_latency_bandwidth", "summarize", "save_result", "matmul_gflops", "peak_memory", "machine_info",
+           "cpu_model", "clock_name"]
 
 
 def sync(device) -> None:
@@ -31,8 +32,21 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def context_switches() -> tuple:
+    """``(voluntary, involuntary)`` context switches of the calling thread so far (Linux: ``getrusage`` of the
+    thread; else of the process). A *voluntary* switch is the thread giving up the core: it sleeps or waits (a
+    lock, I/O). An *involuntary* one is the kernel taking the core away: another process was preempting it. On one
+    torch thread, a step's wall time minus its CPU time is one or the other; these counts tell which. (With more
+    torch threads the caller also waits for its thread pool, which counts as voluntary.)"""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    r = resource.getrusage(who)
+    return r.ru_nvcsw, r.ru_nivcsw
+
+
 def bench(fns: dict, reps: int = 5, warmup: int = 1, device: str | torch.device = "cpu", budget_s: float | None = None,
-          wall: dict | None = None) -> dict:
+          wall: dict | None = None, switches: dict | None = None) -> dict:
     """Time each ``fns[name]()`` ``reps`` times, interleaved; returns ``{name: [seconds, ...]}``.
 
     Wall clock, or the thread's CPU time when torch runs one CPU thread (see :func:`clock`).
@@ -41,27 +55,35 @@ def bench(fns: dict, reps: int = 5, warmup: int = 1, device: str | torch.device 
     clock (with one thread, CPU time: a loaded machine does not cut the rounds).
     ``wall``: a dict to fill with the same calls' wall-clock times ``{name: [seconds, ...]}`` (with one thread,
     wall minus CPU time is what a step spent waiting: sleeping, or preempted by other processes).
+    ``switches``: a dict to fill with each call's ``(voluntary, involuntary)`` context switches
+    (:func:`context_switches`): a step that sleeps or waits makes voluntary ones, a preempted step involuntary ones.
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
     walls = {name: [] for name in fns}
+    csw = {name: [] for name in fns}
     now = clock(device)
     start = now()
     for rep in range(reps):
         for name, fn in fns.items():
             sync(device)
+            v0, i0 = context_switches()
             w0, t0 = time.perf_counter(), now()
             fn()
             sync(device)
             t1, w1 = now(), time.perf_counter()
+            v1, i1 = context_switches()
             times[name].append(t1 - t0)
             walls[name].append(w1 - w0)
+            csw[name].append((v1 - v0, i1 - i0))
         if budget_s is not None and rep >= 1 and now() - start > budget_s:
             break
     if wall is not None:
         wall.update(walls)
+    if switches is not None:
+        switches.update(csw)
     return times
 
 

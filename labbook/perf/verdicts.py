@@ -10,6 +10,12 @@ by its median and IQR, so a drift of the machine between rounds hits both sides 
 * A live run against its record (:func:`compare_ratios`, a Welch test of the rounds' log ratios) and a target
   over several recordings (:func:`target_verdict`), as chapter 08 states them; one recording's paired quartiles
   against an upper target (:func:`iqr_verdict`).
+
+**One rule for every speed verdict** (:func:`speed_call`), the one :mod:`labutils.stats` states: a Welch test, and a
+side is called only when the 95% confidence interval clears the bar (:func:`labutils.stats.clears`). Runs on a
+shared machine shift between them by more than their spread within a run (:data:`MARGIN`, issue 32), so a call
+that rests on one run, or on recordings made in one sitting (:func:`separate_runs`), must clear the bar by that
+margin as well; recordings from separate runs that agree need only the interval.
 """
 from __future__ import annotations
 
@@ -18,7 +24,59 @@ import math
 from .timing import quartiles
 
 __all__ = ["round_ratios", "paired_speedup", "pooled_speedup", "noise_band", "classify", "find_row", "format_table",
-           "compare_ratios", "target_verdict", "iqr_verdict"]
+           "compare_ratios", "target_verdict", "iqr_verdict", "MARGIN", "MIN_GAP_H", "speed_call", "separate_runs"]
+
+MARGIN = 0.25     # how far a paired ratio shifts between runs on a shared machine (issue 32): 25%
+MIN_GAP_H = 1.0   # recordings less than an hour apart are one sitting, not separate runs
+
+
+def speed_call(ratios, bar: float, *, margin: float = 0.0, alpha: float = 0.05) -> dict:
+    """THE rule for a speed verdict: the per-round paired ratios (above 1: faster) against ``bar``.
+
+    A Welch test of the rounds against the constant bar (:func:`labutils.stats.welch`, one-sample); the call is
+    ``"ahead"`` when the 95% CI of the mean ratio clears ``bar * (1 + margin)`` (:func:`labutils.stats.clears`),
+    ``"behind"`` when it lies wholly at or below ``bar / (1 + margin)``, else ``"inconclusive"`` (an untestable
+    arm too). ``margin=0``: the test alone. Returns ``{"call", "mean", "ci", "p", "n", "margin", "bar"}``."""
+    from labutils import stats
+
+    r = [float(x) for x in ratios]
+    c = stats.welch(r, [bar] * len(r), names=("ratio", "bar"), lower_is_better=False, alpha=alpha)
+    ci = (bar + c.ci[0], bar + c.ci[1])
+    call = "inconclusive"
+    if all(math.isfinite(v) for v in ci):
+        if stats.clears(ci, bar * (1 + margin)):
+            call = "ahead"
+        elif stats.clears(ci, bar / (1 + margin), higher_is_better=False):
+            call = "behind"
+    return {"call": call, "mean": c.mean_a, "ci": ci, "p": c.p, "n": len(r), "margin": margin, "bar": bar}
+
+
+def separate_runs(provenance: list, min_gap_h: float = MIN_GAP_H) -> dict:
+    """Are these recordings separate runs with every design interleaved? ``provenance``: one dict per recording,
+    ``{"name", "date" (ISO), "load" (1-minute load), "cores", "interleaved" (bool, default True)}``.
+
+    Returns ``{"ok", "why", "loads"}``: ``ok`` when there are at least two, each pair at least ``min_gap_h`` hours
+    apart, each with its load and with every design interleaved in its rounds; ``why`` says what fails, generated
+    from the metadata; ``loads`` is the line that states each one's date and load."""
+    import datetime
+
+    recs = sorted(provenance, key=lambda m: m["date"])
+    when = [datetime.datetime.fromisoformat(m["date"]) for m in recs]
+    loads = "; ".join(f"{m['name']}: {m['date']}, load " + ("unknown" if m.get("load") is None else f"{m['load']:.1f}")
+                      + f" on {m.get('cores', '?')} cores" for m in recs)
+    why = []
+    if len(recs) < 2:
+        why.append(f"{len(recs)} recording(s)")
+    gaps = [(b - a).total_seconds() / 3600 for a, b in zip(when, when[1:])]
+    if gaps and min(gaps) < min_gap_h:
+        why.append(f"taken {60 * min(gaps):.0f} min apart (one sitting; separate runs are at least {min_gap_h:g} h "
+                   "apart)")
+    if any(m.get("load") is None for m in recs):
+        why.append("a load not stated")
+    if not all(m.get("interleaved", True) for m in recs):
+        why.append("not every design interleaved in " + ", ".join(m["name"] for m in recs
+                                                                 if not m.get("interleaved", True)))
+    return {"ok": not why, "why": "; ".join(why) or "separate runs, every design interleaved", "loads": loads}
 
 
 # ---- the layer speed table ------------------------------------------------------------------------------------
@@ -85,14 +143,14 @@ def format_table(result: dict) -> str:
 
 
 # ---- is the live run what the record says? ------------------------------------------------------
-def compare_ratios(live: list, recorded: list, *, slack: float = 0.25, alpha: float = 0.05) -> dict:
+def compare_ratios(live: list, recorded: list, *, slack: float = MARGIN, alpha: float = 0.05) -> dict:
     """Is a design's live paired ratio (per round, reference time / design time) consistent with the record's at
-    the same size? A Welch test (:func:`labutils.stats.welch`) of the log ratios, live rounds against recorded
-    rounds: the tolerance is the two runs' own spread. ``"slower"`` when the live design is behind the record
-    at p < ``alpha`` AND by more than ``slack`` (a factor of 1 + slack: rounds on a shared machine shift
-    between runs by more than their spread within a run, issue 32), ``"faster"`` likewise ahead, else
-    ``"consistent"``. Returns ``{"call", "live", "recorded", "factor", "p", "comparison"}`` (factor:
-    recorded / live median ratio, above 1 = slower now)."""
+    the same size? :func:`speed_call`'s rule on the log ratios: a Welch test (:func:`labutils.stats.welch`), live
+    rounds against recorded rounds, and since one live run against one record is two runs, the 95% CI of the
+    shift must clear ``slack`` (:data:`MARGIN`: rounds on a shared machine shift between runs by more than their
+    spread within a run, issue 32): ``"slower"`` when the whole CI says the live design is behind the record by
+    more than a factor 1 + slack, ``"faster"`` likewise ahead, else ``"consistent"``. Returns ``{"call", "live",
+    "recorded", "factor", "p", "comparison"}`` (factor: recorded / live mean ratio, above 1 = slower now)."""
     from labutils import stats
 
     a = [math.log(r) for r in live]
@@ -100,36 +158,47 @@ def compare_ratios(live: list, recorded: list, *, slack: float = 0.25, alpha: fl
     cmp_ = stats.welch(a, b, names=("live", "record"), lower_is_better=False, alpha=alpha)
     factor = math.exp(-(cmp_.diff))
     call = "consistent"
-    if cmp_.verdict == "behind" and factor > 1 + slack:
+    lo, hi = cmp_.ci
+    if math.isfinite(hi) and hi <= -math.log(1 + slack):
         call = "slower"
-    elif cmp_.verdict == "ahead" and 1 / factor > 1 + slack:
+    elif math.isfinite(lo) and lo >= math.log(1 + slack):
         call = "faster"
     return {"call": call, "live": math.exp(cmp_.mean_a), "recorded": math.exp(cmp_.mean_b), "factor": factor,
             "p": cmp_.p, "comparison": cmp_}
 
 
-def target_verdict(recordings: list, target: float, *, alpha: float = 0.05) -> dict:
-    """``"met"`` / ``"NOT met"`` / ``"inconclusive"`` for "the paired ratio is at least ``target``", from
-    several recordings of the same point (``recordings``: one list of per-round ratios per recording).
+def target_verdict(recordings: list, target: float, *, alpha: float = 0.05, margin: float = MARGIN,
+                   provenance: list | None = None) -> dict:
+    """``"met"`` / ``"NOT met"`` / ``"provisional"`` / ``"inconclusive"`` for "the paired ratio is at least
+    ``target``", from several recordings of the same point (``recordings``: one list of per-round ratios each).
 
-    Each recording is tested on its own (:func:`labutils.stats.welch` of its rounds against the target:
-    a one-sample t-test); "met" only when at least two recordings exist and every one is ahead of the
-    target, "NOT met" when every one is behind it; otherwise (one recording, a tie, or recordings that
-    disagree) "inconclusive", with the reason."""
-    from labutils import stats
-
+    Each recording is tested on its own by :func:`speed_call` (the interval alone). At least two recordings, all
+    ahead: the lean is "met"; all behind: "NOT met"; otherwise (one recording, a tie, recordings that disagree)
+    "inconclusive". ``provenance`` (one dict per recording, see :func:`separate_runs`): where the recordings are not
+    separate runs with every design interleaved, the lean stands only if every recording also clears the target by
+    ``margin``; else the verdict is ``"provisional"``, with the lean and the reason, generated from the metadata.
+    Without ``provenance`` the caller vouches that the recordings are separate runs. Returns ``{"verdict", "why",
+    "calls", "lean"}``."""
     recs = [list(r) for r in recordings if r]
-    per = [stats.welch(r, [target] * len(r), names=("ratio", "target"), lower_is_better=False, alpha=alpha)
-           for r in recs]
-    calls = [c.verdict for c in per]
+    calls = [speed_call(r, target, alpha=alpha)["call"] for r in recs]
     if len(recs) < 2:
         return {"verdict": "inconclusive", "why": f"{len(recs)} recording(s); a verdict needs at least two",
-                "calls": calls}
-    if all(c == "ahead" for c in calls):
-        return {"verdict": "met", "why": f"ahead of {target} in all {len(recs)} recordings", "calls": calls}
-    if all(c == "behind" for c in calls):
-        return {"verdict": "NOT met", "why": f"behind {target} in all {len(recs)} recordings", "calls": calls}
-    return {"verdict": "inconclusive", "why": "the recordings disagree or tie: " + ", ".join(calls), "calls": calls}
+                "calls": calls, "lean": None}
+    side = "ahead" if all(c == "ahead" for c in calls) else "behind" if all(c == "behind" for c in calls) else None
+    if side is None:
+        return {"verdict": "inconclusive", "why": "the recordings disagree or tie: " + ", ".join(calls),
+                "calls": calls, "lean": None}
+    lean = "met" if side == "ahead" else "NOT met"
+    said = f"{'ahead of' if side == 'ahead' else 'behind'} {target} in all {len(recs)} recordings"
+    runs = None if provenance is None else separate_runs(provenance)
+    if runs is None or runs["ok"]:
+        return {"verdict": lean, "why": said, "calls": calls, "lean": lean}
+    wide = [speed_call(r, target, margin=margin, alpha=alpha)["call"] for r in recs]
+    if all(w == side for w in wide):
+        return {"verdict": lean, "why": f"{said}, by more than the {margin:.0%} margin (although {runs['why']})",
+                "calls": calls, "lean": lean}
+    return {"verdict": "provisional", "why": f"{said}, but within the {margin:.0%} margin runs shift by, "
+            f"and {runs['why']}: a call needs separate runs", "calls": calls, "lean": lean}
 
 
 def iqr_verdict(q1: float, q3: float, target: float) -> str:
