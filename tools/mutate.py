@@ -83,6 +83,7 @@ def mutate(module: str) -> dict:
     run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, env=env,
                          capture_output=True, text=True)
     took = time.monotonic() - t0
+    (work / "mutmut-run.log").write_text(run.stdout.replace("\r", "\n") + "\n--- stderr ---\n" + run.stderr)
     listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work, env=env,
                             capture_output=True, text=True)
     statuses = {}
@@ -90,7 +91,7 @@ def mutate(module: str) -> dict:
         m = STATUS.match(line)
         if m:
             statuses[m["name"]] = m["status"].strip()
-    if not statuses:
+    if not statuses or all(s == "not checked" for s in statuses.values()):
         raise RuntimeError(f"mutmut produced no results for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     eq = equivalent()
     survived = sorted(n for n, s in statuses.items() if s != "killed" and n not in eq)  # timeouts included
