@@ -151,7 +151,10 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
     got = {n.replace("gate.gate.gate.", "gate.gate."): g for n, g in got.items()}
     errors = {"output": _err({"y": y}, {"y": y_ref[mine]}), "input grad": _err({"x": gx}, {"x": gx_ref[mine]}),
               "param grads": _err(got, want)}
-    return errors, {**_measure(step, steps), "tokens_without_output": 0, "choices_dropped": 0}
+    with torch.no_grad():                                                   # the routing of this rank's tokens
+        idx = full.gate(x_all[rank * tokens:(rank + 1) * tokens])[0]
+    routed = torch.bincount(idx[idx >= 0].flatten(), minlength=experts).tolist()
+    return errors, {**_measure(step, steps), "tokens_without_output": 0, "choices_dropped": 0, "routed": routed}
 
 
 def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
@@ -188,7 +191,7 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
     cap = ds_capacity(tokens, experts, 1.0, k=k, min_capacity=0) if design == "ds drop" else tokens * k
     dropped = int((seen["counts"].long() - cap).clamp_min(0).sum())          # choices over capacity
     return errors, {**_measure(lambda: run(sharded, False), steps), "tokens_without_output": tokens - kept,
-                    "choices_dropped": dropped}
+                    "choices_dropped": dropped, "routed": seen["counts"].long().tolist()}
 
 
 def _measure(step, steps: int) -> dict:
@@ -197,10 +200,10 @@ def _measure(step, steps: int) -> dict:
     sent, seconds = [], []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
         with count_wire() as wire:
+            t0 = time.perf_counter()
             step()
-        seconds.append(time.perf_counter() - t0)
+            seconds.append(time.perf_counter() - t0)                        # not the counter's settling wait
         sent.append(wire.sent)
     return {"sent": sent, "seconds": seconds}
 
@@ -212,8 +215,9 @@ def run_design(design: str, *, experts: int, d: int, h: int, k: int = 2, tokens:
                seed: int = 0, fault: str | None = None) -> dict:
     """On every rank of a gloo launch: parity with one process and the per-step wire bytes and times of one
     design. Returns ``{"errors": {"output", "input grad", "param grads"}, "sent": [...], "seconds": [...],
-    "sent_median", "seconds_median", "tokens_without_output", "choices_dropped"}`` (expert choices over the capacity,
-    and tokens that lost every choice: the dropping design's cost in quality, not in bytes)."""
+    "sent_median", "seconds_median", "tokens_without_output", "choices_dropped", "routed"}`` (expert choices over the
+    capacity, and tokens that lost every choice: the dropping design's cost in quality, not in bytes; ``routed``: this
+    rank's tokens' choices per global expert, before any drop, from which a reader can work out the payload)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if fault not in FAULTS:

@@ -12,8 +12,22 @@ Counts include the transport's own framing (gloo writes a fixed header per messa
 of the same sequence of collectives (a call with no rows, a call with rows) rather than a count with a
 payload computed on paper. ``sent`` counts each byte the process handed to the kernel once (transmitted,
 minus TCP's retransmissions, which loopback makes too when a delayed ACK trips the tail-loss probe, plus
-bytes still queued), so it is complete when the block ends; ``received`` counts what has arrived so far,
-and a peer's late message may land after the block. A connection closed inside the block is not counted.
+bytes still queued); ``received`` counts what has arrived. Neither is complete the instant the block ends.
+
+Three things the kernel's counters of open sockets cannot see on their own, and what ``count_wire`` does about each:
+
+* bytes a transport thread hands to the kernel *after* the block's last line (gloo writes from its own thread): on
+  leaving the block the counters are read again until they have not moved for ``settle`` seconds (``w.settled``
+  says whether they stopped within ``max_wait``);
+* a connection closed inside the block (a process group made and destroyed in it): its counters are gone when the
+  block ends. ``w.closed`` counts the connections open at the start and gone at the end. Gloo closes its end when
+  a peer leaves, so a rank that finishes first can take bytes out of a slower rank's count (chapter 06 saw counts
+  1.5-2 kB short this way under load): keep every rank in, e.g. a barrier after the block, until all have
+  counted. One opened and closed inside the block needs a rendezvous through the store first, which the next item
+  sees;
+* the rendezvous store, a side channel between the ranks: with ``labutils.launch``'s FileStore it is a file, not a
+  socket. ``w.store`` is the bytes appended to it during the block: this rank's writes, and any other rank's that
+  landed meanwhile (a TCPStore's socket is counted in ``sent`` / ``received`` instead, and ``w.store`` is 0).
 
 Only the calling process's sockets are read, so count inside a rank: in the worker function that ``launch`` runs
 (``def fn(): with count_wire() as w: ...; return w.sent``). ``count_wire()`` refuses to start in a process that is
@@ -27,6 +41,7 @@ import os
 import socket
 import struct
 import sys
+import time
 
 __all__ = ["tcp_counters", "count_wire", "WireCount"]
 
@@ -73,22 +88,46 @@ def tcp_counters() -> dict:
 
 
 class WireCount:
-    """The counter of :func:`count_wire`: ``sent`` and ``received`` bytes (ints), set when the block ends."""
+    """The counter of :func:`count_wire`: ``sent`` and ``received`` bytes (ints), set when the block ends, and
+    ``store`` (bytes appended to the rendezvous store), ``closed`` (connections gone by the end) and ``settled``."""
 
-    def __init__(self):
+    def __init__(self, settle: float = 0.05, max_wait: float = 5.0):
+        if not settle >= 0 or not max_wait >= settle:
+            raise ValueError(f"count_wire: need 0 <= settle <= max_wait, got settle={settle!r}, max_wait={max_wait!r}")
+        self.settle, self.max_wait = float(settle), float(max_wait)
         self._counts: tuple | None = None   # (sent, received) once a block has ended
         self._before: dict | None = None    # this process's counters while a block runs
+        self._store_before = 0
+        self.store = self.closed = None     # set when the block ends
+        self.settled = None
 
     def __enter__(self):
         _require_rank()
+        self._store_before = _store_bytes()
         self._before = tcp_counters()
         return self
 
     def __exit__(self, *exc):
-        after, before = tcp_counters(), self._before or {}
+        before = self._before or {}
         zero = (0, 0)  # a connection opened inside the block counts from zero
-        self._counts = (sum(a[0] - before.get(k, zero)[0] for k, a in after.items()),
-                        sum(a[1] - before.get(k, zero)[1] for k, a in after.items()))
+
+        def totals(after):
+            return (sum(a[0] - before.get(k, zero)[0] for k, a in after.items()),
+                    sum(a[1] - before.get(k, zero)[1] for k, a in after.items()))
+
+        after = tcp_counters()
+        counts, start = totals(after), time.monotonic()
+        quiet_since = start
+        while time.monotonic() - quiet_since < self.settle and time.monotonic() - start < self.max_wait:
+            time.sleep(min(0.005, self.settle))
+            after = tcp_counters()
+            now = totals(after)
+            if now != counts:                # still moving: a late message reached the kernel
+                counts, quiet_since = now, time.monotonic()
+        self.settled = time.monotonic() - quiet_since >= self.settle
+        self._counts = counts
+        self.closed = len(set(before) - set(after))
+        self.store = _store_bytes() - self._store_before
         self._before = None
         return False
 
@@ -117,6 +156,23 @@ class WireCount:
         return f"WireCount(sent={self._counts[0]}, received={self._counts[1]})"
 
 
+def _store_bytes() -> int:
+    """Size in bytes of the default process group's FileStore (0 for any other store: a TCPStore's socket is
+    counted with the others)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return 0
+    while hasattr(store, "underlying_store"):  # PrefixStore around the real one
+        store = store.underlying_store
+    path = getattr(store, "path", None)
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
 def _require_rank() -> None:
     """Refuse to count in a process that is not a distributed rank (see the module docstring)."""
     dist = sys.modules.get("torch.distributed")  # not imported: certainly not a rank
@@ -129,9 +185,11 @@ def _require_rank() -> None:
             "count_wire() as w: ...; return w.sent, then launch(fn, world_size)")
 
 
-def count_wire() -> WireCount:
+def count_wire(settle: float = 0.05, max_wait: float = 5.0) -> WireCount:
     """``with count_wire() as w: ...`` then ``w.sent`` / ``w.received``: TCP payload bytes this process's
-    sockets carried during the block (see the module docstring for what is and is not seen). Inside a rank only:
+    sockets carried during the block (see the module docstring for what is and is not seen), read when they have
+    not moved for ``settle`` seconds (at most ``max_wait``: ``w.settled``); ``w.store``: bytes appended to the
+    rendezvous FileStore meanwhile; ``w.closed``: connections that closed in the block. Inside a rank only:
     raises RuntimeError in a process without a process group (around a ``launch``, count in the worker function),
     and when ``w.sent`` is read before the block ended or without ``with``."""
-    return WireCount()
+    return WireCount(settle, max_wait)
