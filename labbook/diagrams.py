@@ -136,6 +136,34 @@ def plot_capacity_dispatch(indices, locations, capacity: int, num_experts: int, 
     return fig
 
 
+def read_dispatch(fig) -> dict:
+    """What a :func:`plot_capacity_dispatch` figure shows, read back from its labels as a reader reads it:
+    ``{(expert, slot): token}`` for every token label inside the buffer, placed by the ``slot c`` header above
+    its column and the ``expert e`` label beside its row (the token column on the left is not read). A check
+    that compares this with a literal layout fails when the picture puts a token in the wrong slot. (Chapter 02.)
+    """
+    import re
+
+    ax = fig.axes[0]
+    slots, experts, tokens = {}, {}, []
+    for text in ax.texts:
+        (x, y), label = text.get_position(), text.get_text()
+        if m := re.fullmatch(r"slot (\d+)", label):
+            slots[int(m[1])] = x
+        elif m := re.fullmatch(r"expert (\d+)", label):
+            experts[int(m[1])] = y
+        elif m := re.fullmatch(r"t(\d+)", label):
+            tokens.append((x, y, int(m[1])))
+    if not slots or not experts:
+        raise ValueError("not a plot_capacity_dispatch figure: no 'slot c' or 'expert e' labels")
+    shown = {}
+    for x, y, token in tokens:
+        c = min(slots, key=lambda c: abs(slots[c] - x))
+        if abs(slots[c] - x) < 0.5:                                          # under a slot header: in the buffer
+            shown[min(experts, key=lambda e: abs(experts[e] - y)), c] = token
+    return dict(sorted(shown.items()))
+
+
 def plot_expert_parallel(gate_idx_per_rank, num_expert: int,
                          title: str = "expert parallelism: which rank sends which token to which expert"):
     """Draw one dispatch all-to-all from real routings: ``gate_idx_per_rank[r]`` is rank ``r``'s ``(T_r, k)``

@@ -1,16 +1,17 @@
 """Chapter 02's faults: each names the check cell that must catch it. (See ``labbook.faults``.)
 
-Issue 38's items for this chapter: a drop rate over tokens instead of routes (cells 11, 16/17, 30), top-1's
-``l_aux`` written in top-2's form (cell 31, E = 5), the dispatch picture's slots reversed (cell 4), identical
-experts under "eval output is random" (cell 25), and ``floor`` for ``ceil`` in the capacity (cells 11, 16).
+Issue 38's items for this chapter (the issue's cell numbers): a drop rate over tokens instead of routes (cells 11,
+16/17, 30), top-1's ``l_aux`` written in top-2's form (the new E = 5 cell after 30), the dispatch picture's slots
+reversed (cell 4), identical experts under "eval output is random" (cell 25), and ``floor`` for ``ceil`` in
+DeepSpeed's capacity (cells 11, 16) and ``ceil`` for ``floor`` in GShard's (the new T = 50 cell after 36).
 """
 from labbook.faults import Edit, Fault
 
 SETUP, START, PICTURE, IDEM, GATE, EVALCF, SWEEP = (
     "5ad33f2d", "7c1287cc", "96034bf5", "1abd714d", "80019807", "59fc4f87", "c2e46bdf")
 RTS, NOISE, RSAMPLE, EVALRAND, COUNTS = "01bdd2ae", "d2a1efca", "b266e6c4", "84597d58", "6916a4c0"
-SRC, EXACT, EXACT5, FORMS, LAYER, FASTMOE, RANDOM = (
-    "12d772e9", "867735c1", "e5a1b2c3", "0a70e29d", "04c1eb02", "81f2b299", "73cbb57e")
+SRC, EXACT, EXACT5, FORMS, LAYER, FASTMOE, ROUNDING, RANDOM = (
+    "12d772e9", "867735c1", "e5a1b2c3", "0a70e29d", "04c1eb02", "81f2b299", "c4f8a2d6", "73cbb57e")
 PYRAMID, PRNET, TRAIN, EPRUN, EPCHECK, SMALL, GUARD, APPB = (
     "a67908c7", "ca5f37d4", "4b34fcbf", "d99b4a1c", "f83a395d", "662e1c3e", "0830a592", "645a5857")
 
@@ -116,6 +117,11 @@ FAULTS = [
                    Edit(CAPACITY, "return rank.reshape(gate_idx.shape[1], -1).t()",
                         "return rank.reshape(gate_idx.shape)")),
           cells=(SETUP, START, GATE, FASTMOE)),
+    Fault("fastmoe_gshard_capacity rounds up like DeepSpeed (invisible where cf·S·k/E is whole)", check=ROUNDING,
+          expect="GShardGate rounds down",
+          library=(Edit(CAPACITY, "return math.ceil(factor * num_tokens) * top_k // tot_expert",
+                        "return math.ceil(math.ceil(factor * num_tokens) * top_k / tot_expert)"),),
+          cells=(SETUP, START, GATE, FASTMOE, ROUNDING)),
     Fault("GShardGate's random routing only in training", check=RANDOM, expect="random_routing=True: eval is random",
           library=(Edit("labutils/moe/capacity_gates.py", "        if self.random_routing:\n",
                         "        if self.random_routing and self.training:\n"),),

@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labbook.toys.ch07_ddp import replicate_fsdp2
+from labbook.toys.ch07_ep_groups import replica_gap
 from labbook.toys.ch07_fsdp import SimpleMLP, shard_each_linear
 from labbook.toys.ch07_moe import TinyMoE, ep_copy
-from labutils.data_parallel import GroupedDataParallel
+from labutils.data_parallel import GroupedDataParallel, is_expert_param
 
 COST_MODES = ("DDP", "replicate", "replicate (FSDP2)", "fully_shard", "MoE, experts replicated (DDP)",
               "MoE, expert parallel (grouped)")
@@ -88,23 +89,54 @@ def ring_minimum(mode, memory, world):
     return (3 if mode == "fully_shard" else 2) * (world - 1) * full / world
 
 
+def replicated_params(mode, model):
+    """The parameters ``mode`` keeps equal on every rank (local tensors): every one, except fully_shard's shards
+    (none) and the expert-parallel mode's experts (each rank its own)."""
+    if mode == "fully_shard":
+        return []
+    return [getattr(p, "to_local", lambda p=p: p)().detach() for p in model.parameters()
+            if not (mode == "MoE, expert parallel (grouped)" and is_expert_param(p))]
+
+
+def unsharded_in_step(model, opt, batch, after):
+    """One step of a ``fully_shard`` model with a forward pre-hook on every ``nn.Linear``: layer -> bytes of the
+    parameters its forward really sees (FSDP2 all-gathers them whole just before, and frees them after)."""
+    seen = {}
+
+    def hook(mod, _args, name):
+        seen[name] = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+
+    hooks = [mod.register_forward_pre_hook(lambda mod, args, n=n: hook(mod, args, n))
+             for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    cost_step(model, opt, batch, after)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
 def dp_costs(d=8, h=16, rows=32, tokens=8, rounds=5, steps=5, warmup=2, modes=COST_MODES, pad=4096):
     """Worker: every mode of ``modes`` built once, trained with Adam; then ``rounds`` rounds, each running
     ``steps`` steps of every mode (the order rotated per round). Per mode: memory per rank (after a step), bytes
-    this rank sent per step (``labutils.wire``: the kernel's TCP counters, below every Python API), the median
-    step time of each round, the ring minimum. ``"control"``: one DDP step with an extra all-reduce of ``pad``
-    float32 zeros, which the byte count must see."""
+    this rank sent per step (``labutils.wire``: the kernel's TCP counters, below every Python API), every step's
+    time and the median of each round, the ring minimum, and after the rounds the largest gap between ranks of
+    the parameters the mode replicates (``"replica_gap"``). ``"timed_s"``: the rounds' wall-clock, read by a clock
+    outside the step timer. ``"unsharded"``: fully_shard's full-size parameters seen in the step, per layer.
+    ``"control"``: one step of the first mode with an extra all-reduce of ``pad`` float32 zeros, which the byte
+    count must see."""
     from labutils.wire import count_wire
 
     world = dist.get_world_size()
     built = {m: cost_setup(m, d, h, rows, tokens) for m in modes}
     out: dict = {"world": world, "threads": torch.get_num_threads(), "memory": {}, "sent": {m: [] for m in modes},
-                 "round_ms": {m: [] for m in modes}}
+                 "round_ms": {m: [] for m in modes}, "step_ms": {m: [] for m in modes}}
     for m, (model, opt, batch, after) in built.items():
         for _ in range(warmup):  # DDP rebuilds its buckets after the first step; Adam allocates its state
             cost_step(model, opt, batch, after)
         out["memory"][m] = memory_per_rank(model, opt)
         out.setdefault("minimum", {})[m] = ring_minimum(m, out["memory"][m], world)
+    if "fully_shard" in built:
+        out["unsharded"] = unsharded_in_step(*built["fully_shard"])
+    start = time.monotonic()
     for r in range(rounds):
         for m in modes[r % len(modes):] + modes[:r % len(modes)]:
             times = []
@@ -115,7 +147,11 @@ def dp_costs(d=8, h=16, rows=32, tokens=8, rounds=5, steps=5, warmup=2, modes=CO
                     cost_step(*built[m])
                     times.append(time.perf_counter() - t0)
                 out["sent"][m].append(wire.sent)
+            out["step_ms"][m] += [1e3 * t for t in times]
             out["round_ms"][m].append(1e3 * statistics.median(times))
+    out["timed_s"] = time.monotonic() - start
+    out["replica_gap"] = {m: replica_gap(replicated_params(m, built[m][0]), dist.group.WORLD) for m in modes
+                          if m != "fully_shard"}
     model, opt, batch, after = built[modes[0]]
     dist.barrier()
     with count_wire() as plain:
@@ -138,9 +174,9 @@ def collective_bytes(numel=4096):
     world = dist.get_world_size()
     numel -= numel % world
     calls = {"all_reduce": (lambda: dist.all_reduce(torch.zeros(numel)), 2 * (world - 1) / world),
-             "all_gather": (lambda: dist.all_gather_into_tensor(torch.empty(numel), torch.zeros(numel // world)),
+             "all_gather": (lambda: dist.all_gather_single(torch.empty(numel), torch.zeros(numel // world)),
                             (world - 1) / world),
-             "reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(numel // world), torch.zeros(numel)),
+             "reduce_scatter": (lambda: dist.reduce_scatter_single(torch.empty(numel // world), torch.zeros(numel)),
                                 (world - 1) / world)}
     out: dict = {"tensor bytes": numel * 4}
     for name, (call, share) in calls.items():

@@ -83,13 +83,24 @@ def train_side_by_side(wrap, local_batch=2, iterations=2, rtol=RTOL, atol=ATOL, 
 
 
 def slices_partition(out):
-    """(ok, detail): at every step the inputs the ranks' copies received, concatenated in rank order, are the global
-    batch exactly (every row on one rank, none twice, none dropped). Observed, not assumed: see train_side_by_side."""
+    """(ok, detail): at every step the inputs the ranks' copies received are the rows of the global batch, each row
+    on exactly one rank (none twice, none dropped), in any layout: contiguous slices, interleaved (``rank::world``)
+    or shuffled. Observed, not assumed (see train_side_by_side): every received row is matched to an unused row of
+    the batch equal to it."""
     for step, (every, batch) in enumerate(zip(out["seen"], out["batches"])):
-        got = torch.cat(every)
-        if got.shape != batch.shape or not torch.equal(got, batch):
-            return False, (f"step {step}: the ranks received {[s.shape[0] for s in every]} rows; concatenated they "
-                           f"are not the global batch of {batch.shape[0]} rows")
+        unused = list(range(batch.shape[0]))
+        for rank, rows in enumerate(every):
+            for row in rows:
+                hit = next((i for i in unused if torch.equal(batch[i], row)), None)
+                if hit is None:
+                    why = "a row twice" if any(torch.equal(batch[i], row) for i in range(batch.shape[0])) \
+                        else "a row that is not in the batch"
+                    return False, (f"step {step}: rank {rank} received {why}; the ranks received "
+                                   f"{[s.shape[0] for s in every]} rows of a global batch of {batch.shape[0]}")
+                unused.remove(hit)
+        if unused:
+            return False, (f"step {step}: rows {unused} of the global batch reached no rank (the ranks received "
+                           f"{[s.shape[0] for s in every]} rows of {batch.shape[0]})")
     sizes = [s.shape[0] for s in out["seen"][0]]
     return True, f"{len(out['batches'])} steps; each rank received {sizes} rows, together the global batch"
 
@@ -114,7 +125,7 @@ def data_parallel_checks(run):
     """Section 2's checks of one ``train_side_by_side`` result: ``[(what, ok, detail)]``. Parity alone cannot tell a
     data-parallel run from whole-batch training on every rank; the slices check can."""
     bad = [r for r in run["reports"] if not r.ok]
-    return [("parameters == local model's after every step", not bad, bad[0].table() if bad else ""),
+    return [("parameters == local model's after every step", not bad, bad[0].table(top=2) if bad else ""),
             ("the ranks trained on disjoint slices that make up the global batch", *slices_partition(run))]
 
 

@@ -147,11 +147,11 @@ def gloo_features(mesh):
     def bf16_collectives():
         mine = torch.full((2 * world,), float(rank + 1), dtype=torch.bfloat16)
         out = torch.empty(2, dtype=torch.bfloat16)
-        dist.reduce_scatter_tensor(out, mine)
+        dist.reduce_scatter_single(out, mine)
         total = world * (world + 1) / 2
         assert out.dtype == torch.bfloat16 and bool((out == total).all()), out
         gathered = torch.empty(2 * world, dtype=torch.bfloat16)
-        dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), dtype=torch.bfloat16))
+        dist.all_gather_single(gathered, torch.full((2,), float(rank), dtype=torch.bfloat16))
         assert torch.equal(gathered, torch.arange(world).repeat_interleave(2).to(torch.bfloat16)), gathered
         return f"reduce-scatter sum {total:g}, all-gather of ranks {list(range(world))}, in bfloat16"
 
