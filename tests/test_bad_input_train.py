@@ -303,6 +303,7 @@ def test_a_nan_does_not_erase_the_smoothed_curve():
     ({"a": [1.0, 2.0]}, {"steps": {"b": [1, 2]}}, r"steps names run\(s\) \['b'\]"),
     ({"a": [1.0, 2.0]}, {"steps": {"a": [10]}}, "1 steps for 2 values")])
 def test_plot_losses_refuses_what_would_draw_empty_or_misleading_axes(runs, kw, match):
+    plt.close("all")  # another test's figure (in whatever order the tests run) is not this call's
     with pytest.raises(ValueError, match=match):
         plot_losses(runs, **kw)
     assert not plt.get_fignums(), "no figure is left open by a refused call"
