@@ -8,9 +8,13 @@ A verdict is a test, never "the gap is bigger than twice the std":
   two-sided p-value;
 * the verdict is "ahead", "behind" (A relative to B, in the direction that is better) or "inconclusive": p >= alpha,
   or fewer than ``min_n`` (3) values in an arm, whatever the means say;
-* :func:`bootstrap_ci` gives an interval for any statistic over seeds (e.g. "steps for dense / steps for MoE" over all
-  seed pairs, :func:`all_pairs`), and :func:`clears` says whether an interval clears a target: "target met" means its
-  lower bound does.
+* :func:`holm` corrects a family of comparisons for multiplicity (Holm's step-down method): every test the book
+  makes on one record is one family, and a verdict stands only if its adjusted p is below alpha;
+* :func:`t_interval` gives a Student-t interval of a mean (with an effective sample size when the values share
+  seeds, e.g. "steps for dense / steps for MoE" over all seed pairs, :func:`all_pairs`); :func:`bootstrap_ci` a
+  percentile bootstrap interval of any statistic; :func:`clears` says whether an interval clears a target ("target
+  met" means its lower bound does) and :func:`target_verdict` says "met", "NOT met" or "inconclusive" (the interval
+  straddles the target).
 
 Refused, each with a message naming the argument, the value and what is accepted: a dict where values are
 expected (``{seed: loss}`` would be read as its keys, the seeds: pass ``list(d.values())``), NaN or infinite
@@ -24,12 +28,12 @@ fraction), so the book needs no scipy; ``tests/test_stats.py`` checks it against
 from __future__ import annotations
 
 import math
-import numbers
-import random
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ._stats_input import _finite, _finite_number, _is_number, _mean_sd, _not_a_dict, _preview, _values  # noqa: F401
+from ._stats_intervals import all_pairs, bootstrap_ci, clears, t_interval, target_verdict  # noqa: F401
 from ._student_t import t_cdf, t_ppf
 
 VERDICTS = ("ahead", "behind", "inconclusive")
@@ -37,61 +41,9 @@ VERDICTS = ("ahead", "behind", "inconclusive")
 
 # --- comparisons ------------------------------------------------------------------------------------------------
 
-def _preview(xs, limit: int = 80) -> str:
-    text = repr(xs)
-    return text if len(text) <= limit else text[:limit - 4] + " ..."
-
-
-def _not_a_dict(where: str, arg: str, xs) -> None:
-    """THE guard of every public function here that takes values: a dict (any Mapping) is refused, since
-    iterating ``{seed: loss}`` gives the seeds, not the losses ("1.000 vs 1.000, inconclusive" over seeds 0, 1, 2)."""
-    if isinstance(xs, Mapping):
-        raise TypeError(f"{where}: {arg} is a dict ({_preview(xs)}), and iterating a dict gives its keys (the "
-                        "seeds?), not its values: pass a sequence of values, e.g. list(d.values())")
-
-
-def _values(where: str, arg: str, xs) -> list:
-    """``xs`` as a list of finite floats, or an error naming ``where``, ``arg`` and the value: a dict, anything
-    that is not a sequence of numbers, NaN and +-inf are refused."""
-    _not_a_dict(where, arg, xs)
-    try:
-        out = [float(x) for x in xs]
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{where}: {arg}: expected a sequence of numbers, got {_preview(xs)}") from exc
-    _finite(where, arg, out)
-    return out
-
-
-def _finite(where: str, arg: str, xs: list) -> None:
-    """Refuse a NaN or an infinity among the numbers of ``xs`` (other items, e.g. runs, are not looked at)."""
-    bad = [i for i, x in enumerate(xs) if _is_number(x) and not _finite_number(x)]
-    if bad:
-        raise ValueError(f"{where}: {arg}: every value must be finite, got {[xs[i] for i in bad]} at "
-                         f"position(s) {bad} of {_preview(xs)} (a diverged run? leave it out and say so)")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _finite_number(x) -> bool:
-    """``x`` converts to a finite float (a Python or numpy number, a one-element tensor)."""
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
 def _no_spread(xs: list) -> bool:
     """Every value the same up to float rounding (a few ulps of the largest magnitude)."""
     return max(xs) - min(xs) <= 16 * sys.float_info.epsilon * max(abs(x) for x in xs)
-
-
-def _mean_sd(xs: list) -> tuple:
-    n = len(xs)
-    m = sum(xs) / n if n else float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
-    return m, sd
 
 
 @dataclass(frozen=True)
@@ -114,6 +66,8 @@ class Comparison:
     lower_is_better: bool
     alpha: float
     min_n: int = 3
+    family: int = 1           # tests in the family ``p`` is adjusted over (:func:`holm`); 1: unadjusted
+    p_raw: float = float("nan")  # the unadjusted p when ``family`` > 1
 
     def relation(self) -> str:
         """The verdict as a phrase about the second arm: "ahead of dense", "behind dense" or "inconclusive against
@@ -130,11 +84,15 @@ class Comparison:
         f = f"{{:.{digits}f}}"
         verb = f"vs {b}: inconclusive" if self.verdict == "inconclusive" else f"is {self.relation()}"
         why = ""
+        holm = "Holm " if self.family > 1 else ""
         if self.verdict == "inconclusive":
             why = (f" (fewer than {self.min_n} seeds in an arm)" if min(self.n_a, self.n_b) < self.min_n
-                   else f" (p = {self.p:.3g} >= {self.alpha})")
-        tested = "" if math.isnan(self.p) else (f", 95% CI [{f.format(self.ci[0])}, {f.format(self.ci[1])}], "
-                                                 f"{self.test} t = {self.t:.2f}, p = {self.p:.3g}")
+                   else f" ({holm}p = {self.p:.3g} >= {self.alpha})")
+        p_text = (f"p = {self.p:.3g} (Holm over {self.family} tests; unadjusted {self.p_raw:.3g})"
+                  if self.family > 1 else f"p = {self.p:.3g}")
+        ci_text = "95% CI (unadjusted)" if self.family > 1 else "95% CI"
+        tested = "" if math.isnan(self.p) else (f", {ci_text} [{f.format(self.ci[0])}, {f.format(self.ci[1])}], "
+                                                 f"{self.test} t = {self.t:.2f}, {p_text}")
         stats = (f"{f.format(self.mean_a)} vs {f.format(self.mean_b)}{u} (difference {f.format(self.diff)}{tested}; "
                  f"{self.n_a} vs {self.n_b} seeds" + (f"; preset {preset}" if preset else "") + ")")
         return f"{a} {verb}{why}: {stats}"
@@ -241,59 +199,45 @@ def paired(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float
     return _result(names, a, b, md, se, len(a) - 1, "paired", lower_is_better, alpha, min_n)
 
 
-# --- intervals of any statistic ---------------------------------------------------------------------------------
+# --- a family of tests ------------------------------------------------------------------------------------------
 
-def all_pairs(a_values, b_values, fn) -> list:
-    """``fn(a, b)`` for every pair (a from ``a_values``, b from ``b_values``): e.g. the steps dense needs over the
-    steps MoE needs, for each dense seed and each MoE seed. Pairs where ``fn`` returns None are left out.
-    Refuses a dict for ``a_values`` or ``b_values`` (pass ``list(d.values())``)."""
-    _not_a_dict("all_pairs", "a_values", a_values)
-    _not_a_dict("all_pairs", "b_values", b_values)
-    out = [fn(x, y) for x in a_values for y in b_values]
-    return [float(v) for v in out if v is not None]
-
-
-def bootstrap_ci(values, stat=None, *, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple:
-    """Percentile bootstrap interval of ``stat(sample)`` (default: the mean) resampling ``values`` with
-    replacement ``n_boot`` times from a seeded generator: reproducible. ``values`` may be any items (e.g. runs)
-    when ``stat`` is given; the default mean needs numbers.
-
-    Refuses (before drawing), naming the argument and the value: a dict (pass ``list(d.values())``), a NaN or
-    +-inf among the values (as :func:`welch` does: one diverged run would make the interval NaN and
-    :func:`clears` False), non-numbers with the default mean, fewer than 2 values, ``level`` outside (0, 1),
-    ``n_boot`` not an int >= 100; and, after drawing, a ``stat`` that returns NaN or +-inf."""
-    _not_a_dict("bootstrap_ci", "values", values)
-    if stat is None:
-        vals = _values("bootstrap_ci", "values", values)
-    else:
-        vals = list(values)
-        _finite("bootstrap_ci", "values", vals)
-    if len(vals) < 2:
-        raise ValueError(f"bootstrap_ci: needs at least 2 values, got {len(vals)}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"bootstrap_ci: level must be in (0, 1), got {level!r}")
-    if not (isinstance(n_boot, int) and n_boot >= 100):
-        raise ValueError(f"bootstrap_ci: n_boot must be an int >= 100, got {n_boot!r}")
-    stat = stat or (lambda xs: sum(xs) / len(xs))
-    rng = random.Random(seed)
-    draws = [stat([rng.choice(vals) for _ in vals]) for _ in range(n_boot)]
-    bad = next((d for d in draws if not _finite_number(d)), None)
-    if bad is not None:
-        raise ValueError(f"bootstrap_ci: stat returned {bad!r} on a resample; it must return a finite number")
-    draws.sort()
-    lo_i = int(math.floor((1.0 - level) / 2.0 * n_boot))
-    hi_i = int(math.ceil((1.0 + level) / 2.0 * n_boot)) - 1
-    return draws[lo_i], draws[min(hi_i, n_boot - 1)]
+def holm_adjust(pvalues) -> list:
+    """Holm's step-down adjusted p-values, in the order given: sort the m p-values ascending, multiply the i-th
+    smallest (i = 1..m) by m - i + 1, carry the running maximum (an adjusted p never falls below an earlier one) and
+    cap at 1. Rejecting where the adjusted p < alpha controls the family-wise error rate at alpha (Holm 1979).
+    Refuses a dict, NaN, and values outside [0, 1]."""
+    ps = _values("holm_adjust", "pvalues", pvalues)
+    bad = [x for x in ps if not 0.0 <= x <= 1.0]
+    if bad:
+        raise ValueError(f"holm_adjust: p-values must lie in [0, 1], got {bad} in {_preview(ps)}")
+    m = len(ps)
+    order = sorted(range(m), key=lambda i: ps[i])
+    out, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * ps[i]))
+        out[i] = running
+    return out
 
 
-def clears(ci: tuple, target: float, higher_is_better: bool = True) -> bool:
-    """Does the whole interval clear the target? "Target met" means this, not a point estimate past it.
-    Refuses a ``ci`` that is not a pair of finite numbers (a NaN bound would say "not met" whatever the runs) and
-    a non-finite ``target``."""
-    if isinstance(ci, Mapping) or not (isinstance(ci, (tuple, list)) and len(ci) == 2
-                                       and all(_finite_number(c) for c in ci)):
-        raise ValueError(f"clears: ci must be a (low, high) pair of finite numbers, got {ci!r}")
-    if not _finite_number(target):
-        raise ValueError(f"clears: target must be a finite number, got {target!r}")
-    lo, hi = ci
-    return lo >= target if higher_is_better else hi <= target
+def holm(comparisons):
+    """The comparisons (a dict ``{key: Comparison}`` or a list) with p adjusted by Holm's method over the family of
+    every one that has a p-value (an arm with one value has none and is left as it is), each verdict recomputed
+    from its adjusted p (seed rule and alpha unchanged); ``family`` and ``p_raw`` say what was done and the
+    sentence says so. Confidence intervals stay the unadjusted 95% ones. Refuses anything that is not a Comparison,
+    and a comparison already adjusted (``family`` > 1): adjusting twice would be wrong."""
+    items = list(comparisons.items()) if isinstance(comparisons, Mapping) else list(enumerate(comparisons))
+    for key, c in items:
+        if not isinstance(c, Comparison):
+            raise TypeError(f"holm: {key!r} is {type(c).__name__}, expected a Comparison (from welch or paired)")
+        if c.family > 1:
+            raise ValueError(f"holm: {key!r} is already Holm-adjusted over {c.family} tests; pass unadjusted ones")
+    tested = [(key, c) for key, c in items if not math.isnan(c.p)]
+    adjusted = dict(zip([key for key, _ in tested], holm_adjust([c.p for _, c in tested])))
+    out = {}
+    for key, c in items:
+        if key in adjusted and len(tested) > 1:
+            p = adjusted[key]
+            c = replace(c, p=p, p_raw=c.p, family=len(tested),
+                        verdict=_verdict(c.diff, p, c.n_a, c.n_b, c.lower_is_better, c.alpha, c.min_n))
+        out[key] = c
+    return out if isinstance(comparisons, Mapping) else list(out.values())

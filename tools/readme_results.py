@@ -39,9 +39,10 @@ def ch05() -> str:
     seeds = s["seeds"]["MoE"]
     steps = rec["config"].get("steps", "?")
     out = (f"the recorded run (preset {s['preset']}, {seeds} seeds, {steps} steps): MoE {c.mean_a:.3f} vs dense "
-           f"{c.mean_b:.3f} nats, {c.verdict} (Welch p = {c.p:.3f})")
-    if sp["ci"] is not None:
-        out += f"; dense needs {sp['mean']:.2f}× the steps (bootstrap 95% [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}])"
+           f"{c.mean_b:.3f} nats, {c.verdict} (Welch p = {c.p:.3f}, Holm over {c.family} tests)")
+    if sp["t_ci"] is not None:
+        out += (f"; dense needs {sp['mean']:.2f}× the steps (95% t-interval [{sp['t_ci'][0]:.2f}, "
+                f"{sp['t_ci'][1]:.2f}]: the 1.3× target is {lm_study.target_verdict(sp, 1.3)})")
     if eq is not None:
         out += f"; at equal CPU time MoE is {eq.relation()} (p = {eq.p:.3f})"
     return out
@@ -159,7 +160,8 @@ def ch09() -> str:
     leaky = [n for n, (_, _, c) in v.items() if not c]
     return (f"the recorded run (preset full, {len(rec['preset']['seeds'])} seeds, {rec['preset']['steps']} steps, last "
             f"evaluation): {len(ahead)} of {len(causal)} causally evaluated MoE variants ahead of dense (Welch, "
-            f"α = 0.05)" + (f"; {', '.join(leaky)} judged on prefixes (they see later tokens)" if leaky else ""))
+            f"Holm-corrected over the tests against dense, α = 0.05)"
+            + (f"; {', '.join(leaky)} judged on prefixes (they see later tokens)" if leaky else ""))
 
 
 def bench_modern_moe() -> str:
@@ -185,7 +187,35 @@ def coursework_copies() -> str:
     return "\n" + cc.table() + "\n"
 
 
-GENERATORS = {"coursework-copies": coursework_copies, "ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense,
+def faults() -> str:
+    """The last full fault run (make faults): docs/faults.json."""
+    path = ROOT / "docs" / "faults.json"
+    if not path.exists():
+        return "no full run recorded yet"
+    rec = json.loads(path.read_text())
+    per = {}
+    for row in rec["rows"]:
+        caught, total = per.get(row["chapter"], (0, 0))
+        per[row["chapter"]] = (caught + row["caught"], total + 1)
+    chapters = ", ".join(f"{c} {k}/{n}" for c, (k, n) in sorted(per.items()))
+    return (f"the last full run ({rec['date']}, {rec['seconds'] // 60} min at load {rec['load']:.1f}): "
+            f"{rec['caught']} of {rec['faults']} faults caught by the check each names ({chapters})")
+
+
+def mutation() -> str:
+    """The mutation record (make mutate): docs/mutation.json."""
+    path = ROOT / "docs" / "mutation.json"
+    if not path.exists():
+        return "no module measured yet"
+    rec = json.loads(path.read_text())
+    parts = [f"`{m.removeprefix('labutils/')}` {r['killed']}/{r['mutants'] - r['equivalent']} killed "
+             f"({100 * r['score']:.1f}%, {r['equivalent']} equivalent; commit {r['commit']})"
+             for m, r in sorted(rec["modules"].items())]
+    return f"measured so far (target {100 * rec.get('target_score', 0.95):.0f}% per module): " + "; ".join(parts)
+
+
+GENERATORS = {"faults": faults, "mutation": mutation,
+              "coursework-copies": coursework_copies, "ch05": ch05, "bench-moe-vs-dense": bench_moe_vs_dense,
               "bench-launch": bench_launch,
               "bench-comm": bench_comm, "bench-full-scale": bench_full_scale,
               "bench-token-exchange": bench_token_exchange, "bench-train-step": bench_train_step,

@@ -1,13 +1,20 @@
 """Chapter 05's faults: each names the check cell that must catch it. (See ``labbook.faults``.)"""
 from labbook.faults import Edit, Fault
 
-SETUP, SPLIT, REPEATS, MODELS, RUN, CLOCK, UNIGRAM, ROUTINE, LOAD = (
-    "66910bda", "a689c7c4", "8e616b6a", "3b108884", "137088df", "2ed4f6c9", "abf4fc9b", "5b860ef7", "e36634c6")
+SETUP, SPLIT, REPEATS, MODELS, RUN, CONTROL, CLOCK, UNIGRAM, ROUTINE, LOAD = (
+    "66910bda", "a689c7c4", "8e616b6a", "3b108884", "137088df", "3c0a12d5", "2ed4f6c9", "abf4fc9b", "5b860ef7",
+    "e36634c6")
 RECORD, SUMMARY, VERDICTS, ABLATIONS, ROUTER = (
     "74b5c271", "fab4e1e3", "7a0d5c28", "3392e973", "ace8380a")
 SECTION7 = (SETUP, RECORD, SUMMARY, VERDICTS)    # the recorded full run: no live training needed
 
 FAULTS = [
+    # first: the issue's truncated record (cheap: `make test` runs each chapter's first fault)
+    Fault("the record's runs stopped at step 1,000 (a truncated record)", check=RECORD,
+          expect="evaluated every 125 steps to the end",
+          edits=(Edit(RECORD, "    same_main_arms(full, full_cfg)\n",
+                      "    full = cut_at(full, 1000)\n    same_main_arms(full, full_cfg)\n"),),
+          cells=(SETUP, RECORD)),
     # §1 the split, inspected on the text
     Fault("every validation file is also put into the training text", check=SPLIT,
           expect="no validation file has 90% or more",
@@ -34,7 +41,7 @@ FAULTS = [
     Fault("the tiny preset's learning rate typed as 5e-6", check=UNIGRAM, expect="below the unigram baseline",
           library=(Edit("labbook/lm_study/config.py", 'ablations=("top-1 Switch", "E=k=2"), lr=5e-3,',
                         'ablations=("top-1 Switch", "E=k=2"), lr=5e-6,'),),
-          cells=(SETUP, SPLIT, MODELS, RUN, UNIGRAM)),
+          cells=(SETUP, SPLIT, MODELS, RUN, CONTROL, UNIGRAM)),
     Fault("the verdict routine drops the 3-seed rule", check=ROUTINE, expect="2 seeds per arm",
           library=(Edit("labutils/stats.py", "    if min(n_a, n_b) < min_n or not p < alpha or diff == 0:",
                         "    if not p < alpha or diff == 0:"),),
@@ -45,16 +52,11 @@ FAULTS = [
                         "    better = diff > 0 if lower_is_better else diff < 0"),),
           cells=(SETUP, RUN, ROUTINE)),
     # §4 expert load
-    Fault("NoisyGate's top-k never considers the last expert", check=LOAD, expect="no expert is dead",
-          library=(Edit("labutils/moe/gates.py", "top_logits, top_idx = logits.topk(m, dim=-1)",
-                        "top_logits, top_idx = logits[:, :-1].topk(m, dim=-1)"),),
+    Fault("the load recorder takes expert 0 for the dropped marker (idx > 0)", check=LOAD, expect="no expert is dead",
+          library=(Edit("labutils/models.py", "c = torch.bincount(idx[idx >= 0].cpu(),",
+                        "c = torch.bincount(idx[idx > 0].cpu(),"),),
           cells=(SETUP, RUN, LOAD)),
     # §7 the recorded full run
-    Fault("the record's runs stopped at step 1,000 (a truncated record)", check=RECORD,
-          expect="evaluated every 125 steps to the end",
-          edits=(Edit(RECORD, "    same_main_arms(full, full_cfg)\n",
-                      "    full = cut_at(full, 1000)\n    same_main_arms(full, full_cfg)\n"),),
-          cells=(SETUP, RECORD)),
     Fault("a record whose data-limited control stopped early", check=RECORD,
           expect="off the schedule: ['data-limited dense seed 0'",
           edits=(Edit(RECORD, "    same_main_arms(full, full_cfg)\n",

@@ -70,5 +70,6 @@ from labbook.lm_study.summary import (  # noqa: F401
     steps_to_reach,
     summarize,
     target_met,
+    target_verdict,
     verdict_lines,
 )

@@ -1,5 +1,6 @@
 """Chapter 05's study, the record reduced to verdicts: mean curves over seeds (:func:`curves`), every verdict a
-test from :mod:`labutils.stats` (:func:`summarize`, :func:`ablation_comparisons`), the summary sentences written
+test from :mod:`labutils.stats` (:func:`summarize`, :func:`ablation_comparisons`), Holm-adjusted over every test on
+the record, the speed-up's target judged by a t-interval (:func:`target_verdict`), the summary sentences written
 *from those numbers* (:func:`verdict_lines`, :func:`ablation_lines`). (Taught in chapter 05.)
 """
 from __future__ import annotations
@@ -69,15 +70,20 @@ def _finals(record: dict, name: str) -> list:
 
 
 def seed_bootstrap(a_runs: list, b_runs: list, fn, *, n_boot: int = 2000, seed: int = 0) -> dict:
-    """``fn(a, b)`` over every (a, b) pair of runs (``stats.all_pairs``), its mean, and a 95% bootstrap interval of
-    that mean that resamples the seeds of **each arm** independently (``stats.bootstrap_ci`` resamples ``a``'s
-    seeds; the statistic redraws ``b``'s from its own seeded generator). ``reached``: pairs where ``fn`` is not
-    None, of ``pairs``."""
+    """``fn(a, b)`` over every (a, b) pair of runs (``stats.all_pairs``), its mean, its 95% t-interval ``t_ci``
+    (``stats.t_interval`` with ``t_n`` = the smaller arm's seeds: the pairs share seeds, so they are not
+    independent values; the verdict on a target comes from this interval, :func:`target_verdict`), and a 95%
+    bootstrap interval ``ci`` that resamples the seeds of **each arm** independently (shown for comparison: with
+    3 seeds per arm a percentile bootstrap cannot reach beyond the observed pairs). ``reached``: pairs where
+    ``fn`` is not None, of ``pairs``."""
     values = stats.all_pairs(a_runs, b_runs, fn)
     out = {"values": values, "pairs": len(a_runs) * len(b_runs), "reached": len(values),
            "seeds": (len(a_runs), len(b_runs)),
-           "mean": statistics.fmean(values) if values else None, "ci": None}
+           "mean": statistics.fmean(values) if values else None, "ci": None, "t_ci": None, "t_n": None}
     if len(values) == out["pairs"] and len(a_runs) > 1 and len(b_runs) > 1:
+        # the pairs share seeds: count the smaller arm's seeds as the independent values (stats.t_interval)
+        out["t_n"] = min(len(a_runs), len(b_runs))
+        out["t_ci"] = stats.t_interval(values, n=out["t_n"])
         import random
         rng = random.Random(seed + 1)
 
@@ -102,7 +108,10 @@ def _time_ratio(dense_run: dict, moe_run: dict) -> float | None:
 def summarize(record: dict, target_speedup: float = 1.3) -> dict:
     """The verdicts, each a test from :mod:`labutils.stats` on the record's final validation losses (Welch: the
     seeds of two models are independent runs): MoE vs dense, MoE vs dense-wide, dense-wide vs dense (the regime
-    check), the steps speed-up over all seed pairs with a bootstrap interval, and the same at equal CPU time."""
+    check), E=k=2 vs dense when the record has it, the same at equal CPU time, and every ablation against MoE
+    (``ablations``). Every test on the record is one family: its p-values are Holm-adjusted together
+    (``stats.holm``; ``family``: how many). The steps speed-up over all seed pairs has a t-interval
+    (:func:`seed_bootstrap`), judged against ``target_speedup`` by :func:`target_verdict`."""
     c = curves(record)
     missing = [name for name in MAIN if name not in c]
     if missing:
@@ -116,16 +125,26 @@ def summarize(record: dict, target_speedup: float = 1.3) -> dict:
     eq = (stats.welch([v for v in at_t["MoE"] if v is not None], [v for v in at_t["dense"] if v is not None],
                       names=("MoE", "dense")) if not unreached else None)
     flops = {n: _runs(record, n)[0]["flops_per_step"] for n in MAIN}
+    tests = {"moe_vs_dense": stats.welch(f["MoE"], f["dense"], names=("MoE", "dense")),
+             "moe_vs_wide": stats.welch(f["MoE"], f["dense-wide"], names=("MoE", "dense-wide")),
+             "wide_vs_dense": stats.welch(f["dense-wide"], f["dense"], names=("dense-wide", "dense"))}
+    if "E=k=2" in c:   # the gated dense model (MoE's FLOPs, dense's parameters) against dense itself
+        tests["gated_vs_dense"] = stats.welch(_finals(record, "E=k=2"), f["dense"], names=("E=k=2", "dense"))
+    if eq is not None:
+        tests["equal_time"] = eq
+    tests.update({("ablation", n): cmp for n, cmp in ablation_comparisons(record).items()})
+    tests = stats.holm(tests)   # every test on this record is one family
+    family = max(cmp.family for cmp in tests.values())
     return {
         "preset": record["config"]["name"],
         "final": {name: (cv.final, cv.final_std, len(cv.finals)) for name, cv in c.items()},
         "seeds": {n: len(v) for n, v in f.items()},
-        "moe_vs_dense": stats.welch(f["MoE"], f["dense"], names=("MoE", "dense")),
-        "moe_vs_wide": stats.welch(f["MoE"], f["dense-wide"], names=("MoE", "dense-wide")),
-        "wide_vs_dense": stats.welch(f["dense-wide"], f["dense"], names=("dense-wide", "dense")),
+        "moe_vs_dense": tests["moe_vs_dense"], "moe_vs_wide": tests["moe_vs_wide"],
+        "wide_vs_dense": tests["wide_vs_dense"], "gated_vs_dense": tests.get("gated_vs_dense"),
+        "ablations": {k[1]: cmp for k, cmp in tests.items() if isinstance(k, tuple)}, "family": family,
         "flops_ratio": {n: flops[n] / flops["dense"] for n in MAIN},
         "speedup": seed_bootstrap(dense_runs, moe_runs, _steps_ratio), "target_speedup": target_speedup,
-        "equal_time": {"seconds": t_eq, "comparison": eq, "unreached": unreached,
+        "equal_time": {"seconds": t_eq, "comparison": tests.get("equal_time"), "unreached": unreached,
                        "time_ratio": seed_bootstrap(dense_runs, moe_runs, _time_ratio),
                        "train_seconds": {n: c[n].seconds[-1] for n in MAIN},
                        "jobs": record.get("jobs", 1), "threads": record["config"].get("threads", 1),
@@ -133,11 +152,24 @@ def summarize(record: dict, target_speedup: float = 1.3) -> dict:
     }
 
 
+def target_verdict(boot: dict, target: float) -> str:
+    """"met" / "NOT met" / "inconclusive" for a speed-up target, from the t-interval (``stats.target_verdict``):
+    inconclusive as well when a pair never reached the loss or an arm has fewer than 3 seeds (the rule of
+    ``stats``' verdicts), since then there is no interval to judge by."""
+    if boot["t_ci"] is None or boot["reached"] != boot["pairs"] or min(boot["seeds"]) < 3:
+        return "inconclusive"
+    return stats.target_verdict(boot["t_ci"], target)
+
+
 def target_met(boot: dict, target: float) -> bool:
-    """"Target met" only when every seed pair reached the loss, each arm has 3 seeds or more (the rule of
-    ``stats``' verdicts) and the bootstrap interval's lower bound clears ``target``."""
-    return bool(boot["ci"] is not None and boot["reached"] == boot["pairs"] and min(boot["seeds"]) >= 3
-                and stats.clears(boot["ci"], target))
+    """"Target met" only when every seed pair reached the loss, each arm has 3 seeds or more and the t-interval's
+    lower bound clears ``target`` (:func:`target_verdict`)."""
+    return target_verdict(boot, target) == "met"
+
+
+WHY_TARGET = {"met": "met (the interval's lower bound clears it)",
+              "NOT met": "NOT met (the whole interval lies below it)",
+              "inconclusive": "inconclusive (the interval straddles it)"}
 
 
 def _ratio_sentence(what: str, boot: dict, target: float | None) -> str:
@@ -145,12 +177,15 @@ def _ratio_sentence(what: str, boot: dict, target: float | None) -> str:
         return f"{what}: no MoE seed reached dense's final loss"
     line = (f"{what}: {boot['mean']:.2f}× on average over {boot['reached']} of {boot['pairs']} (dense seed, MoE "
             f"seed) pairs that reached it (pairs range {min(boot['values']):.2f}–{max(boot['values']):.2f}")
-    line += (f"; 95% bootstrap interval [{boot['ci'][0]:.2f}, {boot['ci'][1]:.2f}], seeds of each arm resampled)"
-             if boot["ci"] is not None else "; no interval: every pair must reach it, with 2 seeds or more per arm)")
+    line += (f"; 95% t-interval [{boot['t_ci'][0]:.2f}, {boot['t_ci'][1]:.2f}], counting {boot['t_n']} independent "
+             f"values since the pairs share seeds)" if boot["t_ci"] is not None
+             else "; no interval: every pair must reach it, with 2 seeds or more per arm)")
     if target is not None:
-        line += f"; target ≥ {target}: " + ("met (the interval's lower bound clears it)" if target_met(boot, target)
-                                             else "NOT met (met only when the interval's lower bound clears it, "
-                                                  "with every pair reaching and 3 seeds or more per arm)")
+        verdict = target_verdict(boot, target)
+        few = boot["t_ci"] is None or min(boot["seeds"]) < 3
+        line += f"; target ≥ {target}: " + ("inconclusive (an interval needs every pair reaching and 3 seeds or "
+                                             "more per arm)" if few and verdict == "inconclusive"
+                                             else WHY_TARGET[verdict])
     return line
 
 
@@ -173,6 +208,9 @@ def verdict_lines(summary: dict, target_speedup: float | None = None) -> list:
     lines.append(mw.sentence("nats", preset) + (
         f"; MoE has {share:.0%} of dense-wide's gain over dense at {cost:.0%} of its FLOPs per step"
         if share is not None else ""))
+    if s.get("gated_vs_dense") is not None:
+        lines.append(s["gated_vs_dense"].sentence("nats", preset) + ": the gated dense model (MoE's FLOPs, dense's "
+                                                                       "parameters) against dense")
     lines.append(_ratio_sentence("steps for dense / steps for MoE to reach dense's final loss", s["speedup"], target))
     e = s["equal_time"]
     what = "CPU seconds of each process" if e.get("clock") == "process_time" else "wall-clock seconds"
@@ -186,6 +224,10 @@ def verdict_lines(summary: dict, target_speedup: float | None = None) -> list:
                      + e["comparison"].sentence("nats", preset))
     lines.append(_ratio_sentence("training seconds for dense / for MoE to reach dense's final loss",
                                  e["time_ratio"], None))
+    if s.get("family", 1) > 1:
+        lines.append(f"multiple comparisons: the {s['family']} tests on this record are one family; every p above "
+                     "is Holm-adjusted over it and every verdict comes from the adjusted p (confidence intervals "
+                     "are the unadjusted 95% ones)")
     return lines
 
 
@@ -200,11 +242,18 @@ def loss_at(xs: list, ys: list, x: float) -> float | None:
 
 
 def ablation_comparisons(record: dict) -> dict:
-    """``{ablation: stats.welch(its final losses, MoE's)}`` over all seeds of each (fewer than 3: inconclusive)."""
+    """``{ablation: stats.welch(its final losses, MoE's)}`` over all seeds of each (fewer than 3: inconclusive),
+    unadjusted: :func:`summarize` adjusts them with the record's other tests, :func:`ablation_lines` says which."""
     ablations = [name for name in dict.fromkeys(r["name"] for r in record["runs"]) if name not in MAIN]
     return versus({name: _finals(record, name) for name in ablations}, "MoE", _finals(record, "MoE"))
 
 
-def ablation_lines(record: dict) -> list:
-    """Each ablation against the MoE mean by Welch's test, as generated sentences naming the preset."""
-    return [c.sentence("nats", record["config"]["name"]) for c in ablation_comparisons(record).values()]
+def ablation_lines(record_or_summary: dict) -> list:
+    """Each ablation against the MoE mean by Welch's test, as generated sentences naming the preset. Given a
+    :func:`summarize` result: its ablations, Holm-adjusted over every test on the record; given a record: the
+    ablations Holm-adjusted among themselves."""
+    if "ablations" in record_or_summary:
+        comps, preset = record_or_summary["ablations"], record_or_summary["preset"]
+    else:
+        comps, preset = stats.holm(ablation_comparisons(record_or_summary)), record_or_summary["config"]["name"]
+    return [c.sentence("nats", preset) for c in comps.values()]
