@@ -117,8 +117,8 @@ def run_variant(ffn: Callable[[], nn.Module], corpus, cfg, seeds=(0, 1), label: 
         if prefix_eval:
             out["final_prefix"].append(prefix_loss(model, val_x, val_y, lm_cross_entropy))
         out["seconds"].append(r.seconds)
-        biases = [m.expert_bias.detach().clone() for m in model.modules()
-                  if isinstance(getattr(m, "expert_bias", None), torch.Tensor)]
+        found = (getattr(m, "expert_bias", None) for m in model.modules())
+        biases = [b.detach().clone() for b in found if isinstance(b, torch.Tensor)]
         out["expert_bias"].append(torch.cat(biases) if biases else torch.zeros(0))
         out["val_steps"] = [s for s, _ in r.val]
         stats = _layer_stats([m for m in model.modules() if isinstance(m, ModernMoE)], max(1, cfg.steps // 10))

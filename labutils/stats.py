@@ -31,6 +31,7 @@ import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import overload
 
 from ._stats_input import _finite, _finite_number, _is_number, _mean_sd, _not_a_dict, _preview, _values  # noqa: F401
 from ._stats_intervals import all_pairs, bootstrap_ci, clears, t_interval, target_verdict  # noqa: F401
@@ -219,6 +220,10 @@ def holm_adjust(pvalues) -> list:
     return out
 
 
+@overload
+def holm(comparisons: Mapping) -> dict: ...
+@overload
+def holm(comparisons: list) -> list: ...
 def holm(comparisons):
     """The comparisons (a dict ``{key: Comparison}`` or a list) with p adjusted by Holm's method over the family of
     every one that has a p-value (an arm with one value has none and is left as it is), each verdict recomputed

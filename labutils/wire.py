@@ -160,6 +160,8 @@ def _store_bytes() -> int:
     """Size in bytes of the default process group's FileStore (0 for any other store: a TCPStore's socket is
     counted with the others)."""
     dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return 0
     try:
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):

@@ -94,16 +94,17 @@ def run(chapter: str, fault=None, cells: tuple = (), timeout: int = 600) -> Outc
 
     with tempfile.TemporaryDirectory(prefix=f"labfault{chapter}_") as tmp:
         root = copy_repo(pathlib.Path(tmp))
+        name = fault.name if fault is not None else ""
         for edit in fault.library if fault is not None else ():
             path = root / edit.where
-            path.write_text(apply_text(path.read_text(), edit, f"fault {fault.name!r}, {edit.where}"))
+            path.write_text(apply_text(path.read_text(), edit, f"fault {name!r}, {edit.where}"))
         nb = nbformat.read(chapter_path(chapter, root), as_version=4)
         by_id = {c.get("id"): c for c in nb.cells}
         for edit in fault.edits if fault is not None else ():
             if edit.where not in by_id:
-                raise LookupError(f"fault {fault.name!r}: no cell with id {edit.where!r} in chapter {chapter}")
+                raise LookupError(f"fault {name!r}: no cell with id {edit.where!r} in chapter {chapter}")
             cell = by_id[edit.where]
-            cell.source = apply_text(cell.source, edit, f"fault {fault.name!r}, cell {edit.where}")
+            cell.source = apply_text(cell.source, edit, f"fault {name!r}, cell {edit.where}")
         chosen = select_cells(nb, fault, cells)
         if fault is not None:
             ran = {c.get("id") for c in chosen}
