@@ -62,7 +62,11 @@ def scratch(module: str) -> pathlib.Path:
                   "use_git_change_detection = false\n"
                   # a test's first call may import DeepSpeed or build a process group: seconds of CPU that mutmut's
                   # per-test limit (15x the recorded time + 1 s) would call a timeout; a timeout is not a kill here
-                  "timeout_constant = 30.0\n")
+                  "timeout_constant = 30.0\n"
+                  # fork straight from a process that has run torch ops deadlocks the child (its thread pools do
+                  # not survive fork, and mutmut's CPU-time limit never fires on a sleeping process): fork from a
+                  # server that has only collected the tests
+                  'process_isolation = "forkserver"\n')
     (work / "pyproject.toml").write_text(pyproject)
     return work
 
@@ -79,7 +83,7 @@ STATUS = re.compile(r"^\s*(?P<name>[\w.]+__mutmut_\d+): (?P<status>[\w ]+)$")
 
 def mutate(module: str) -> dict:
     work = scratch(module)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, env=env,
                          capture_output=True, text=True)
