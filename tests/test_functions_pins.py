@@ -1,0 +1,67 @@
+"""What mutation testing (make mutate, labutils/moe/functions.py) found unpinned: each test kills a surviving
+mutant, named in its docstring, with values worked out by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labutils.moe.functions import check_expert_ids, check_gate_output, check_top_k, combine, gather_combine
+
+
+def test_a_non_int_top_k_names_its_type():
+    """x_check_top_k__mutmut_4: the type in the message."""
+    with pytest.raises(TypeError, match=r"^top_k must be an int, got 2\.0 \(float\)$"):
+        check_top_k(2.0, 4)
+
+
+@pytest.mark.parametrize(("idx", "score", "match"), [
+    ([[0, 1]], torch.ones(1, 2), r"^the gate must return two tensors \(gate_top_k_idx, gate_score\)$"),
+    (torch.zeros(1, 2, dtype=torch.long), [[1.0, 1.0]], r"^the gate must return two tensors"),
+    (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 3),
+     r"^the gate returned gate_score of shape \(1, 3\); expected \(1, 2\)$"),
+    (torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+     r"^gate_score must be floating point, got dtype torch\.int64$")])
+def test_a_bad_gate_output_is_named(idx, score, match):
+    """x_check_gate_output__mutmut_2, 7..9, 16, 17, 23: either output not a tensor, the messages' texts."""
+    with pytest.raises(ValueError, match=match):
+        check_gate_output(idx, score, 1, 2, 4)
+
+
+def test_an_id_below_minus_one_is_refused():
+    """x_check_expert_ids__mutmut_20: -1 means dropped; -2 is no expert."""
+    """... and xǁcheck_expert_idsǁ mutmut_1/2: the default name is the gate's output's."""
+    with pytest.raises(ValueError, match=r"^gate_top_k_idx holds expert ids in \[-2, 0\]; expected -1 "
+                                        r"\(dropped\) or 0\.\.3"):
+        check_expert_ids(torch.tensor([[-2, 0]]), 4)
+    check_expert_ids(torch.tensor([[-1, 3]]), 4)          # the bounds themselves pass
+
+
+def test_too_few_rows_name_the_row_count():
+    """x_combine__mutmut_6, x_gather_combine__mutmut_8: the count in the message is of rows (dim 0)."""
+    with pytest.raises(ValueError, match=r"^combine got 3 rows of expert output for 2 tokens x top_k=2$"):
+        combine(torch.ones(3, 5), torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"^gather_combine got 3 rows for 2 positions"):
+        gather_combine(torch.ones(3, 5), torch.tensor([0, 1]), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scores_keep_their_dtype_through_the_backward(fused):
+    """xǁMOECombineǁforward__mutmut_12/32, backward__mutmut_22, xǁMOEGatherCombineǁforward__mutmut_3/80,
+    backward__mutmut_25: float64 scores on float32 rows. The output is float32 and equals the hand sum; the
+    scores' gradient is float64 and equals each row's dot with the output gradient (ones)."""
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], requires_grad=True)   # (T*k, d) = (4, 2)
+    score = torch.tensor([[0.25, 0.75], [0.5, 0.5]], dtype=torch.float64, requires_grad=True)  # (T, k) = (2, 2)
+    out = gather_combine(y, torch.arange(4), score) if fused else combine(y, score)
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * 4], [0.5 * 5 + 0.5 * 7, 0.5 * 6 + 0.5 * 8]]
+    out.sum().backward()
+    assert score.grad is not None and score.grad.dtype == torch.float64
+    assert score.grad.tolist() == [[3.0, 7.0], [11.0, 15.0]]
+
+
+def test_scores_without_a_gradient_give_none_for_them():
+    """xǁMOEGatherCombineǁbackward__mutmut_17: the scores' gradient is None when they need none (not a value)."""
+    y = torch.ones(4, 2, requires_grad=True)
+    out = gather_combine(y, torch.arange(4), torch.full((2, 2), 0.5))
+    out.sum().backward()
+    assert y.grad is not None and y.grad.tolist() == [[0.5, 0.5]] * 4
