@@ -105,7 +105,10 @@ def public_definitions(paths) -> dict:
         if path.name.startswith("_") and path.name != "__init__.py":
             continue
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    getattr(d, "id", getattr(d, "attr", None)) == "overload" for d in node.decorator_list):
+                names = []  # a typing.overload stub: the one definition is the undecorated def after it
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names = [node.name]
             elif isinstance(node, ast.Assign):
                 names = [t.id for t in node.targets if isinstance(t, ast.Name)]
