@@ -417,8 +417,7 @@ def test_fault_a_sleeping_step_shows_as_waiting():
     # is involuntary); the wait share only has to exceed dense's: its size depends on the loop's own CPU time,
     # which load and mutmut's trampolines stretch (0.94 seen under mutmut, against a fixed 0.95 bar)
     loop, dense = rows["loop"], rows["dense"]
-    assert loop["voluntary_switches"] >= 1 > dense["voluntary_switches"] or \
-        loop["voluntary_switches"] > dense["voluntary_switches"], (loop, dense)
+    assert loop["voluntary_switches"] > dense["voluntary_switches"], (loop, dense)
     assert loop["wait_share"] > max(0.5, dense["wait_share"]), (loop["wait_share"], dense["wait_share"])
 
 
