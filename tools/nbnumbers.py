@@ -18,7 +18,8 @@ NUMBER = re.compile(r"(?<![\w.])[-−]?\d+(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
 def numbers(path: str) -> collections.Counter:
-    nb = json.load(open(path))
+    with open(path) as f:
+        nb = json.load(f)
     found: collections.Counter = collections.Counter()
     for cell in nb["cells"]:
         for out in cell.get("outputs", []):
