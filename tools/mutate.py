@@ -8,7 +8,10 @@ runs the unit tests that cover each mutated function (the `make quick` set, with
 functions from their bytecode, which mutmut's trampolines change) and records killed / survived / timeout per
 mutant. The record, docs/mutation.json, keeps per module the counts, the score over non-equivalent mutants and the
 surviving mutants' names; tools/mutation_equivalent.json lists the mutants reviewed as equivalent, each with its
-reason. The copy is of the last commit (git archive HEAD). Exit status 1 when a module of TARGETS is below TARGET_SCORE.
+reason. An entry with ``"kind": "gpu-only"`` is a mutant that changes only where a tensor lives (``device=``): on
+this CPU-only run it cannot differ; it is left out of the score like an equivalent one but counted apart
+(``gpu_only``), and the CUDA tests are what would catch it. The copy is of the last commit (git archive HEAD).
+Exit status 1 when a module of TARGETS is below TARGET_SCORE.
 """
 from __future__ import annotations
 
@@ -71,11 +74,15 @@ def scratch(module: str) -> pathlib.Path:
     return work
 
 
+def equivalent_entries() -> dict:
+    """{mutant name: {"reason": ..., "kind"?: "gpu-only"}} as reviewed."""
+    return json.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
+
+
 def equivalent() -> dict:
-    """{mutant name: reason} reviewed as equivalent (the program's behaviour cannot differ)."""
-    if not EQUIVALENT.exists():
-        return {}
-    return {name: entry["reason"] for name, entry in json.loads(EQUIVALENT.read_text()).items()}
+    """{mutant name: reason} left out of the score: equivalent (the program's behaviour cannot differ) or
+    gpu-only (it can differ only on a GPU, which this run does not have)."""
+    return {name: entry["reason"] for name, entry in equivalent_entries().items()}
 
 
 STATUS = re.compile(r"^\s*(?P<name>[\w.]+__mutmut_\d+): (?P<status>[\w ]+)$")
@@ -99,13 +106,16 @@ def mutate(module: str) -> dict:
     if not statuses or all(s == "not checked" for s in statuses.values()):
         raise RuntimeError(f"mutmut produced no results for {module}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     eq = equivalent()
+    gpu_only = {n for n, e in equivalent_entries().items() if e.get("kind") == "gpu-only"}
     survived = sorted(n for n, s in statuses.items() if s != "killed" and n not in eq)  # timeouts included
     counted = [n for n in statuses if n not in eq]
     killed = sum(statuses[n] == "killed" for n in counted)
     by_status: dict = {}
     for s in statuses.values():
         by_status[s] = by_status.get(s, 0) + 1
-    return {"mutants": len(statuses), "by_status": by_status, "equivalent": sum(n in eq for n in statuses),
+    return {"mutants": len(statuses), "by_status": by_status,
+            "equivalent": sum(n in eq and n not in gpu_only for n in statuses),
+            "gpu_only": sum(n in gpu_only for n in statuses),
             "killed": killed, "score": round(killed / len(counted), 4) if counted else 1.0,
             "survivors": survived, "seconds": round(took)}
 
@@ -132,8 +142,9 @@ def main() -> int:
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         mark = "" if result["score"] >= TARGET_SCORE or m not in TARGETS else "  BELOW TARGET"
         below += [m] if mark else []
-        print(f"{m:<36} {result['killed']:>4}/{result['mutants'] - result['equivalent']:<4} killed "
-              f"({100 * result['score']:.1f}%), {result['equivalent']} equivalent, {len(result['survivors'])} "
+        counted = result['mutants'] - result['equivalent'] - result['gpu_only']
+        print(f"{m:<36} {result['killed']:>4}/{counted:<4} killed ({100 * result['score']:.1f}%), "
+              f"{result['equivalent']} equivalent, {result['gpu_only']} gpu-only, {len(result['survivors'])} "
               f"survive, {result['seconds']} s{mark}", flush=True)
     record["target_score"] = TARGET_SCORE
     RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")

@@ -208,8 +208,9 @@ def mutation() -> str:
     if not path.exists():
         return "no module measured yet"
     rec = json.loads(path.read_text())
-    parts = [f"`{m.removeprefix('labutils/')}` {r['killed']}/{r['mutants'] - r['equivalent']} killed "
-             f"({100 * r['score']:.1f}%, {r['equivalent']} equivalent; commit {r['commit']})"
+    parts = [f"`{m.removeprefix('labutils/')}` {r['killed']}/{r['mutants'] - r['equivalent'] - r.get('gpu_only', 0)} "
+             f"killed ({100 * r['score']:.1f}%, {r['equivalent']} equivalent"
+             + (f", {r['gpu_only']} GPU-only" if r.get("gpu_only") else "") + f"; commit {r['commit']})"
              for m, r in sorted(rec["modules"].items())]
     return f"measured so far (target {100 * rec.get('target_score', 0.95):.0f}% per module): " + "; ".join(parts)
 
