@@ -40,8 +40,9 @@ def reference_moe(layer, x: torch.Tensor, gate_idx=None, gate_score=None) -> tor
         gate_idx, gate_score = layer.gate(xs)
     if gate_score is None:
         raise ValueError("reference_moe: pass gate_idx and gate_score together (or neither, to call layer.gate)")
-    gate_idx = gate_idx.reshape(xs.shape[0], -1)
-    gate_score = gate_score.reshape(xs.shape[0], -1)
+    k = -1 if xs.shape[0] else gate_idx.shape[-1]                            # no tokens: -1 would be ambiguous
+    gate_idx = gate_idx.reshape(xs.shape[0], k)                              # (T, k)
+    gate_score = gate_score.reshape(xs.shape[0], k)
     rows = []
     for t in range(xs.shape[0]):
         acc = xs.new_zeros(xs.shape[1])
