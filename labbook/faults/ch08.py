@@ -2,19 +2,21 @@
 
 Issue 38's items for this chapter: an inverted ratio column, a flipped target verdict, inflated peak memory, wrong
 FLOPs, a sweep served from the stored record, a step that sleeps 3 ms (judged at any load), and verdicts that call
-one sitting's recordings separate runs or drop the margin.
+one sitting's recordings separate runs or drop the margin. Issue 39 moved the chapter's helpers into
+``labbook/perf`` (the phase sums and the cuts' calls: ``step_phases.py``; the profile against its record:
+``breakdown.shifted_phases``): their faults edit the library.
 """
 from labbook.faults import Edit, Fault
 
 SETUP, HARNESS, SAME, AT_SIZE, MM = "24ee5939", "236c283a", "01ecc00a", "980abfec", "a962ff6a"
 SWEEP, LIVE, MEMORY, RECORD, WAIT = "ba3b0300", "c08live01", "c08live02", "9d4754b4", "c08wait01"
-PLOT, PRIMARY, BD_LIVE, BD_CHECK, COMM = "4f634455", "ce7a8796", "1821181b", "dba50e5d", "49c03793"
+PRIMARY, BD_LIVE, BD_CHECK, COMM = "ce7a8796", "1821181b", "dba50e5d", "49c03793"
 SAID1, SAID3, SAID5, REC_CHECK = "8bf44dfd", "bdc3d928", "7e4d1dca", "6d064143"
 SPEED, LAYERS, LAYER_VERDICTS, RULE, FIXED, STEP, CUTS = (
     "d6471dbb", "7a34bda5", "c08layer1", "c08rule01", "9000d8e7", "c2effe09", "7c091134")
 
 LIVE_CELLS = (SETUP, SWEEP, LIVE)
-VERDICT_CELLS = (SETUP, PLOT, PRIMARY, SAID1, SAID3, SPEED, LAYERS, LAYER_VERDICTS, RULE)
+VERDICT_CELLS = (SETUP, PRIMARY, SAID1, SAID3, SPEED, LAYERS, LAYER_VERDICTS, RULE)
 
 FAULTS = [
     Fault("the harness cost taken the wrong way round (own time over fed time)", check=HARNESS,
@@ -61,10 +63,16 @@ FAULTS = [
           cells=(SETUP, SWEEP, WAIT)),
     Fault("the profiler-overhead limit raised to 90%", check=BD_CHECK, expect="negative control: an 83% overhead",
           library=(Edit("labbook/perf/breakdown.py", "limit: float = 0.5,", "limit: float = 0.9,"),),
-          cells=(SETUP, SWEEP, RECORD, PLOT, PRIMARY, BD_LIVE, BD_CHECK)),
+          cells=(SETUP, SWEEP, RECORD, PRIMARY, BD_LIVE, BD_CHECK)),
+    Fault("a phase that vanished from the profile not counted as shifted", check=BD_CHECK,
+          expect="negative control: the combine charged to expert compute",
+          library=(Edit("labbook/perf/breakdown.py",
+                        'if v["call"] == "vanished" or (v["call"] == "moved" and both_ok)]',
+                        'if v["call"] == "moved" and both_ok]'),),
+          cells=(SETUP, SWEEP, RECORD, PRIMARY, BD_LIVE, BD_CHECK)),
     Fault("the first primary recording read twice", check=REC_CHECK, expect="distinct recordings",
           edits=(Edit(PRIMARY, 'for t in ("r1", "r2")', 'for t in ("r1", "r1")'),),
-          cells=(SETUP, MM, PLOT, PRIMARY, BD_LIVE, COMM, SAID1, SAID5, REC_CHECK)),
+          cells=(SETUP, MM, PRIMARY, BD_LIVE, COMM, SAID1, SAID5, REC_CHECK)),
     Fault("a flipped target verdict (ahead reads NOT met)", check=RULE, expect="every verdict of sections 8 and 9",
           library=(Edit("labbook/perf/verdicts.py", 'lean = "met" if side == "ahead" else "NOT met"',
                         'lean = "NOT met" if side == "ahead" else "met"'),),
@@ -87,10 +95,11 @@ FAULTS = [
                         'return [(b["share"] / tb) / (a["share"] / ta)'),),
           cells=(SETUP, FIXED)),
     Fault("the phase sums checked within 50%", check=STEP, expect="negative control: a record missing a phase",
-          edits=(Edit(STEP, "def phase_sums_hold(phases, tol=0.05):", "def phase_sums_hold(phases, tol=0.5):"),),
+          library=(Edit("labbook/perf/step_phases.py", "def phase_sums_hold(phases: dict, tol: float = 0.05)",
+                        "def phase_sums_hold(phases: dict, tol: float = 0.5)"),),
           cells=(SETUP, STEP)),
     Fault("the cuts judged are the ones labutils did not adopt", check=CUTS, expect="every adopted cut is faster",
-          edits=(Edit(CUTS, 'for n, r in record["cuts"].items() if r["adopted"]}',
-                      'for n, r in record["cuts"].items() if not r["adopted"]}'),),
+          library=(Edit("labbook/perf/step_phases.py", 'for n, r in record["cuts"].items() if r["adopted"]}',
+                        'for n, r in record["cuts"].items() if not r["adopted"]}'),),
           cells=(SETUP, CUTS)),
 ]

@@ -12,6 +12,8 @@
 * :mod:`labbook.perf.layer_bench`: the chapter-01 layer's speed table (the core against a dense MLP, DeepSpeed,
   ...), its grouped and loop rows built from the dispatch designs; taught in chapter 08.
 * :mod:`labbook.perf.verdicts`: paired speed-ups, ahead / tie / behind, a live run against its record.
+* :mod:`labbook.perf.step_phases`: a training step's phases and the cuts tried on MoE's tax, from their records.
+* :mod:`labbook.perf.plots`: chapter 08's figures (ratio curves, roofline, memory, profiled phases, all-to-all).
 
 The book's machinery, in no coursework copy: it was ``labutils.perf`` until 0.3.0, whose paths forward here with a
 warning until 1.0.0 (``labutils._deprecate``).

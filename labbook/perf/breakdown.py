@@ -5,7 +5,8 @@
 * :func:`core_breakdown` profiles the timed core (:class:`~labbook.perf.real_layers.CoreMoE`) on a problem,
   with the profiler's overhead measured against plain steps in the same rounds.
 * :func:`judge_overhead` says whether the shares describe the unprofiled layer; :func:`compare_phases` whether
-  a live breakdown attributes time as its record did.
+  a live breakdown attributes time as its record did, :func:`shifted_phases` for every live size at once.
+* :func:`format_breakdown`: one breakdown as the chapter prints it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import math
 from .sweep import check_against_loop
 from .timing import quartiles, run_conditions
 
-__all__ = ["PHASES", "labelled_core_steps", "core_breakdown", "judge_overhead", "compare_phases"]
+__all__ = ["PHASES", "labelled_core_steps", "core_breakdown", "judge_overhead", "compare_phases", "shifted_phases",
+           "format_breakdown"]
 
 PHASES = ("routing", "dispatch", "expert compute", "combine")
 # FMoE.forward's named steps (labutils/moe/layers.py) and the phase each belongs to
@@ -96,7 +98,9 @@ def core_breakdown(p, reps: int = 3, core=None, check: bool = True) -> dict:
 
     from labutils.nbtools import quiet
 
-    from .dispatch import CoreMoE, build_designs, fwd_bwd
+    from .dispatch import build_designs
+    from .problem import fwd_bwd
+    from .real_layers import CoreMoE
     from .timing import clock
 
     core = CoreMoE(p) if core is None else core
@@ -202,3 +206,33 @@ def compare_phases(live: dict, recorded: dict, *, factor: float = 3.0) -> dict:
             call = "vanished"
         out[ph] = {"live": live_share[ph], "recorded": rec_med, "band": band, "call": call}
     return out
+
+
+def shifted_phases(live: list, recorded: dict, *, factor: float = 3.0) -> tuple:
+    """Every live breakdown against the record's at its tokens per expert (``recorded``: {tokens per expert:
+    breakdown}) by :func:`compare_phases`. Returns ``(lines, shifted)``: per size a line with each phase's live share
+    / recorded median share and call, and both profiles' :func:`judge_overhead` calls; and the phases that vanished
+    (at any load) or moved outside the record's band where both profiles are well-conditioned ("ok" both)."""
+    lines, shifted = [], []
+    for b in live:
+        t = b["tokens_per_expert"]
+        calls = (judge_overhead(b)["call"], judge_overhead(recorded[t])["call"])
+        cmp_ = compare_phases(b, recorded[t], factor=factor)
+        lines.append(f"{t:>4} tokens/expert, live share / recorded median share: " + ", ".join(
+            f"{ph} {v['live']:.1%}/{v['recorded']:.1%} {v['call']}" for ph, v in cmp_.items())
+            + f" (live profile: {calls[0]}, recorded: {calls[1]})")
+        both_ok = calls == ("ok", "ok")
+        if not both_ok:
+            lines.append("      shifted shares not judged here: a profile was preempted (its wall-clock spans are "
+                         "distorted); a phase that vanished still is")
+        shifted += [f"{ph} at {t} ({v['call']})" for ph, v in cmp_.items()
+                    if v["call"] == "vanished" or (v["call"] == "moved" and both_ok)]
+    return lines, shifted
+
+
+def format_breakdown(b: dict, label: str) -> str:
+    """Each phase's ms, the plain step's median and IQR, and :func:`judge_overhead`'s sentence."""
+    return (f"{label}, {b['tokens_per_expert']:>4} tokens/expert: "
+            + ", ".join(f"{ph} {b['total'][ph] * 1e3:.2f} ms" for ph in (*PHASES, "other"))
+            + f"\n      plain step {b['unprofiled_s'] * 1e3:.1f} ms (IQR {b['unprofiled_iqr_pct']:.0f}%); "
+            + judge_overhead(b)["sentence"])

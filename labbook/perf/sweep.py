@@ -2,7 +2,9 @@
 
 * :func:`measure_point` times a forward+backward of each design of :mod:`labbook.perf.dispatch` on the same
   problem, interleaved, with its peak memory and the share of choices it kept.
-* :func:`check_against_loop`: before any timing, each design's output and gradients against the naive loop's.
+* :func:`check_against_loop`: before any timing, each design's output and gradients against the naive loop's;
+  :func:`output_and_grads`: one design's output and every gradient (input, logits, expert weights), to compare.
+* :func:`format_rows` and :func:`format_waits`: a point's rows as the chapter's table, and its waits per step.
 
 Where the core's time goes is :mod:`labbook.perf.breakdown`; the verdicts on a live run against its record
 are :mod:`labbook.perf.verdicts`.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 from .timing import MIN_ROUNDS, bench, paired_ratio, peak_memory, quartiles, run_conditions, summarize
 
-__all__ = ["measure_point", "check_against_loop"]
+__all__ = ["measure_point", "check_against_loop", "output_and_grads", "ORDER", "format_rows", "format_waits"]
+
+ORDER = ["loop", "core", "padded", "grouped_mm", "einsum", "ds_cf1", "ds_cf2", "separate", "dense"]  # table order
 
 
 LOOP_RTOL, LOOP_ATOL = 1e-4, 1e-5  # float32 sums in another order; a lost expert's rows miss by O(1)
@@ -70,7 +74,8 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
     (:func:`~labbook.perf.timing.run_conditions`). ``designs`` passes prebuilt designs (e.g. a patched one).
     A design that raises is reported as ``{"design", "error"}`` instead.
     """
-    from .dispatch import build_designs, fwd_bwd
+    from .dispatch import build_designs
+    from .problem import fwd_bwd
 
     designs = dict(build_designs(p, names) if designs is None else designs)
     for extra in ("dense", "separate"):
@@ -121,3 +126,44 @@ def measure_point(p, names=None, reps: int = 5, memory: bool = True, device="cpu
             row["peak_mb"] = peak_memory(lambda fn=designs[n]: fwd_bwd(fn, p), device) / 2 ** 20
         rows.append(row)
     return rows + failed
+
+
+def output_and_grads(fn, p) -> tuple:
+    """One forward+backward of design ``fn`` on ``p``: ``(DispatchOut, {"x", "logits", "w1", "b1", "w2", "b2"})``,
+    the gradients cloned; a design that owns its weights (the core, DeepSpeed's layer) gives them in the problem's
+    layout (``expert_grads``)."""
+    from .problem import fwd_bwd
+
+    out = fwd_bwd(fn, p)
+    g = {"x": p.x.grad.clone(), "logits": p.logits.grad.clone()}
+    g.update(fn.expert_grads() if hasattr(fn, "expert_grads") else
+             {k: getattr(p, k).grad.clone() for k in ("w1", "b1", "w2", "b2")})
+    return out, g
+
+
+def format_rows(rows: list) -> str:
+    """A point's rows (:func:`measure_point`) as a table in :data:`ORDER`: median ms and IQR, GFLOP/s, the paired
+    ratio to dense with its IQR, kept, rows, wait share, voluntary / involuntary switches per step, peak MB."""
+    lines = [f"{'design':<11}{'median ms':>10}{'IQR':>6}{'GFLOP/s':>9}{'ratio [IQR]':>20}{'kept':>6}{'rows':>6}"
+             f"{'wait':>6}{'sleeps':>7}{'preempt':>8}{'peak MB':>9}"]
+    for r in sorted((r for r in rows if "error" not in r), key=lambda r: ORDER.index(r["design"])):
+        lo, hi = r["ratio_iqr"]
+        lines.append(f"{r['design']:<11}{r['median_s'] * 1e3:>10.1f}{r['iqr_pct']:>5.0f}%{r['gflops']:>9.1f}"
+                     f"{r['ratio']:>7.2f} [{lo:.2f}-{hi:.2f}]{r['kept']:>6.2f}{r['rows']:>6.2f}"
+                     f"{r.get('wait_share', 0):>6.2f}{r.get('voluntary_switches', float('nan')):>7.0f}"
+                     f"{r.get('involuntary_switches', float('nan')):>8.0f}{r.get('peak_mb', float('nan')):>9.1f}")
+    return "\n".join(lines)
+
+
+def format_waits(rows: list, what: str) -> str:
+    """Per number of experts, each design's wait beyond its CPU time (ms) and its voluntary / involuntary context
+    switches per step (medians over rounds): sleeping or waiting, or preempted by another process."""
+    from statistics import median
+
+    def wait_ms(r):
+        return 1e3 * median(w - t for w, t in zip(r["walls_s"], r["times_s"]))
+
+    return "\n".join(f"   {what}, E={E}: wait ms / voluntary / involuntary switches per step (medians): " + ", ".join(
+        f"{r['design']} {wait_ms(r):.1f}/{r['voluntary_switches']:.0f}/{r['involuntary_switches']:.0f}"
+        for r in rows if r["num_expert"] == E) for E in dict.fromkeys(r["num_expert"] for r in rows
+                                                                       if r["design"] == "dense"))

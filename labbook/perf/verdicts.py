@@ -24,7 +24,8 @@ import math
 from .timing import quartiles
 
 __all__ = ["round_ratios", "paired_speedup", "pooled_speedup", "noise_band", "classify", "find_row", "format_table",
-           "compare_ratios", "target_verdict", "iqr_verdict", "MARGIN", "MIN_GAP_H", "speed_call", "separate_runs"]
+           "compare_ratios", "target_verdict", "iqr_verdict", "MARGIN", "MIN_GAP_H", "speed_call", "separate_runs",
+           "provenance"]
 
 MARGIN = 0.25     # how far a paired ratio shifts between runs on a shared machine (issue 32): 25%
 MIN_GAP_H = 1.0   # recordings less than an hour apart are one sitting, not separate runs
@@ -77,6 +78,16 @@ def separate_runs(provenance: list, min_gap_h: float = MIN_GAP_H) -> dict:
         why.append("not every design interleaved in " + ", ".join(m["name"] for m in recs
                                                                  if not m.get("interleaved", True)))
     return {"ok": not why, "why": "; ".join(why) or "separate runs, every design interleaved", "loads": loads}
+
+
+def provenance(name: str, record: dict) -> dict:
+    """A benchmark record's entry for :func:`separate_runs`: its name, date, cores, and the higher of its 1-minute
+    loads before and after (a dispatch record's ``machine`` and ``load_avg_1min_after``, a layer record's
+    ``machine_before`` and ``machine_after``). Every design of these records is interleaved in each round."""
+    before = record.get("machine_before") or record["machine"]
+    after = (record["machine_after"]["load_avg_1min"] if "machine_after" in record
+             else record.get("load_avg_1min_after", 0))
+    return {"name": name, "date": before["date"], "cores": before["cores"], "load": max(before["load_avg_1min"], after)}
 
 
 # ---- the layer speed table ------------------------------------------------------------------------------------
