@@ -33,7 +33,7 @@ def in_deepspeed(*replacements) -> Edit:
 
 
 FAULTS = [
-    # cell 4: the block recomputed by hand, ln1 and ln2 made to differ for the check
+    # the block recomputed by hand, ln1 and ln2 made to differ for the check
     Fault("the block swaps its two norms (ln2 before attention, ln1 before the feed-forward)", check=BLOCK,
           expect="recomputed by hand",
           library=(Edit("labutils/models.py",
@@ -46,23 +46,22 @@ FAULTS = [
           library=(Edit("labutils/models.py", "        return out  # (..., d)",
                         "        return out + out  # (..., d)"),),
           cells=(SETUP, BLOCK)),
-    # cell 6: the parameter counts
+    # the parameter counts
     Fault("the attention's output projection has no bias", check=COUNTS, expect="attention = 4 d^2 + 4 d",
           library=(Edit("labutils/models.py", "        self.out = nn.Linear(d_model, d_model, bias=bias)",
                         "        self.out = nn.Linear(d_model, d_model, bias=False)"),),
           cells=(SETUP, BLOCK, COUNTS)),
-    # cell 11: the epoch losses fall
+    # the epoch losses fall
     Fault("the trainer's engine path never calls engine.step()", check=FELL, expect="falls every epoch",
           library=(Edit("labutils/train.py", "        model.backward(loss)\n        model.step()\n",
                         "        model.backward(loss)\n"),),
           cells=(*TRAINED, EPOCHS, FELL)),
-    # cell 15: the held-out loss stays at the floor
+    # the held-out loss stays at the floor
     Fault("the held-out samples are the first 64 training samples", check=FLOOR, expect="held-out samples: loss",
-          edits=(Edit(ENGINE, "held_x = torch.randn(64, cfg.seq, cfg.hidden, generator=g)   # never trained on\n"
-                              "held_y = torch.randn(64, cfg.seq, cfg.hidden, generator=g)",
+          edits=(Edit(ENGINE, "held_x, held_y = (torch.randn(64, cfg.seq, cfg.hidden, generator=g) for _ in range(2))",
                       "held_x, held_y = data_x[:64], data_y[:64]"),),
           cells=(SETUP, BLOCK, COUNTS, ENGINE, EPOCHS, FELL, MORE, FLOOR)),
-    # cell 19: the capacity and the dropped count
+    # the capacity and the dropped count
     Fault("DeepSpeed's top-2 capacity forgets k (factor, not factor * 2)", check=CAPACITY,
           expect="capacity = max(ceil(factor * 2 * S / E), 4)",
           library=(in_deepspeed(("torch.tensor(capacity_factor * 2)", "torch.tensor(capacity_factor)")),),
@@ -81,12 +80,12 @@ FAULTS = [
     Fault("DeepSpeed's gate keeps the raw probabilities (no renormalising)", check=WEIGHTS, expect="sum to 1",
           library=(in_deepspeed(("    gates1_s /= denom_s\n    gates2_s /= denom_s\n", "")),),
           cells=(*SECTION4, CAPACITY, SLOTS, WEIGHTS)),
-    # cell 21: a token that loses both choices
-    Fault("routes_and_output never sets the capacity factor it is given", check=BOTH,
+    # the both-choices cell: a token that loses both choices (gate_view, defined in the gate cell, sets the factor)
+    Fault("gate_view never sets the capacity factor it is given", check=BOTH,
           expect="at capacity factor 0.5 some tokens lose both choices",
-          edits=(Edit(BOTH, "        gate.capacity_factor = cf\n", ""),),
+          edits=(Edit(GATE, "    gate.capacity_factor = cf\n", ""),),
           cells=(*SECTION4, BOTH)),
-    # cell 23: l_aux against the stated formula, on the training batch and on routers whose first choices are cut
+    # l_aux against the stated formula, on the training batch and on routers whose first choices are cut
     Fault("DeepSpeed computes l_aux after the capacity cut", check=L_AUX, expect="on 5 more routers",
           library=(in_deepspeed(
               ("    me = torch.mean(gates, dim=0)\n    ce = torch.mean(mask1.float(), dim=0)\n"
