@@ -15,7 +15,7 @@ export PYTHONHASHSEED       := 0
 
 QUICK  := not dist and not kernel and not browser and not gpu
 
-.PHONY: help book test lab venv lint quick unit nbval execute student student-check bench hooks clean mutate faults
+.PHONY: help book test lab venv lint quick unit nbval execute student student-check bench hooks clean mutate faults stats
 
 help:  ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 24
@@ -55,6 +55,9 @@ student: venv  ## student copies with solutions stripped, under build/student/
 
 student-check: venv  ## execute every student copy: runs up to the exercises, checkers fail on blanks
 	$(BIN)/python tools/student.py --check
+
+stats: venv  ## each chapter's code lines, longest cell, strings share (issue 39's table); exit 1 on a missed target
+	$(BIN)/python tools/chapter_stats.py
 
 mutate: venv  ## mutation testing (mutmut): make mutate [MODULE=labutils/moe/capacity.py]; record in docs/mutation.json
 	$(BIN)/python tools/mutate.py $(if $(MODULE),$(MODULE),--all)

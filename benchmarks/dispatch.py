@@ -32,7 +32,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labbook.perf.breakdown import core_breakdown  # noqa: E402
-from labbook.perf.dispatch import DESIGNS, make_problem  # noqa: E402
+from labbook.perf.dispatch import DESIGNS  # noqa: E402
+from labbook.perf.problem import make_problem  # noqa: E402
 from labbook.perf.sweep import measure_point  # noqa: E402
 from labbook.perf.timing import (  # noqa: E402
     describe_conditions,

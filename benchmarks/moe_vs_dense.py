@@ -9,7 +9,7 @@ seed, and the data-limited control (the same models on ``control_chars`` trainin
 Each run uses one torch thread; ``--jobs`` runs go side by side (2 on the book's 2-core machine). The time axis
 is each run's own CPU seconds (``time.process_time``, evaluations left out), so a run is charged for its
 computation, not for time it waited while other work shared its core. The verdict lines are computed from the
-record by ``labbook.lm_study.summarize``; chapter 05 shows the recorded figure and verdict when present.
+record by ``labbook.lm_study.summary.summarize``; chapter 05 shows the recorded figure and verdict when present.
 The record is written to a ``.partial.json`` file and moved over the committed one only when every run has
 finished, so an interrupted study never replaces a complete record.
 """
@@ -24,13 +24,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labbook import lm_study  # noqa: E402
+from labbook.lm_study import config, plots, runner, summary  # noqa: E402
 from labbook.perf.timing import machine_info, save_result  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(lm_study.PRESETS), default="full")
+    ap.add_argument("--preset", choices=sorted(config.PRESETS), default="full")
     ap.add_argument("--jobs", type=int, default=2, help="runs side by side, one torch thread each")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure from the recorded JSON")
     ap.add_argument("--no-control", action="store_true", help="skip the data-limited control")
@@ -39,21 +39,21 @@ def main() -> None:
     if args.plot_only:
         record = json.loads(out.read_text())
     else:
-        cfg = lm_study.PRESETS[args.preset]
-        record = lm_study.run_study(cfg, jobs=args.jobs)
+        cfg = config.PRESETS[args.preset]
+        record = runner.run_study(cfg, jobs=args.jobs)
         if not args.no_control:
-            record["data_limited"] = lm_study.run_study(lm_study.data_limited(cfg), jobs=args.jobs)
+            record["data_limited"] = runner.run_study(config.data_limited(cfg), jobs=args.jobs)
         record["machine"] = machine_info()
         partial = out.with_suffix(".partial.json")
         save_result(record, partial, ROOT)
         os.replace(partial, out)  # only a finished study replaces the record
         print("wrote", out.relative_to(ROOT))
-    print("\n".join(lm_study.verdict_lines(lm_study.summarize(record))))
-    print("\n".join(lm_study.ablation_lines(record)))
+    print("\n".join(summary.verdict_lines(summary.summarize(record))))
+    print("\n".join(summary.ablation_lines(record)))
     if "data_limited" in record:
         print("data-limited control:")
-        print("\n".join(lm_study.verdict_lines(lm_study.summarize(record["data_limited"]))))
-    fig = lm_study.plot_study(record)
+        print("\n".join(summary.verdict_lines(summary.summarize(record["data_limited"]))))
+    fig = plots.plot_study(record)
     fig.savefig(out.with_suffix(".png"), dpi=90, bbox_inches="tight")
     print("wrote", out.with_suffix(".png").relative_to(ROOT))
 

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/train_step.py --rounds 20 --out train_step_quick.json
 
 The models, batch, block, learning rate and thread count are chapter 05's ``full`` preset
-(``labbook.lm_study.PRESETS["full"]``): d 64, 2 layers, E 8, top-2, equal active FFN FLOPs, batch 32 x block 64,
+(``labbook.lm_study.config.PRESETS["full"]``): d 64, 2 layers, E 8, top-2, equal active FFN FLOPs, batch 32 x block 64,
 Adam, 1 torch thread per run. A step is the study's own (``labutils.train._step``: forward, task loss + aux loss,
 ``zero_grad``, backward, ``optimizer.step``) on the study's batches (``CharBatches`` over the stdlib corpus).
 
@@ -23,7 +23,7 @@ How it is measured (say it with the numbers):
   modules in both models), so it is a difference of medians, not a direct measurement.
 * Peak memory of one step (``labbook.perf.timing.peak_memory``: the CPU allocator's events under the profiler),
   above what was allocated when the step began (parameters and Adam's state already exist).
-* Both models step with the study's optimizer (``lm_study.optimizer``: fused Adam; ``--adam`` picks another).
+* Both models step with the study's optimizer (``lm_study.config.optimizer``: fused Adam; ``--adam`` picks another).
   Adam's step is also timed alone as torch's default loop, ``foreach=True`` and ``fused=True`` on the same
   gradients: what treating the MoE's 90 parameter tensors as one group saves.
 """
@@ -47,7 +47,7 @@ if OTHER:
 
 import torch  # noqa: E402
 
-from labbook import lm_study  # noqa: E402
+from labbook.lm_study import config, runner  # noqa: E402
 from labbook.perf.timing import clock, clock_name, machine_info, paired_ratio, peak_memory, quartiles, save_result  # noqa: E402
 from labutils.data import CharBatches  # noqa: E402
 from labutils.moe.gates import collect_aux_loss  # noqa: E402
@@ -191,13 +191,13 @@ ADAM = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def setup(cfg, name: str, corpus, seed: int = 0, adam: str = "study"):
-    variant = lm_study.variants(cfg)[name]
-    model = lm_study.build(cfg, variant, corpus.vocab_size, seed)
+    variant = config.variants(cfg)[name]
+    model = config.build(cfg, variant, corpus.vocab_size, seed)
     if adam == "study":
-        opt = lm_study.optimizer(cfg, model)                          # what the study trains with
+        opt = config.optimizer(cfg, model)                          # what the study trains with
     else:
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, **ADAM[adam])
-    data = CharBatches(lm_study.training_text(cfg, corpus), cfg.batch, cfg.block, seed=seed)
+    data = CharBatches(runner.training_text(cfg, corpus), cfg.batch, cfg.block, seed=seed)
 
     def step():
         _step(model, model, data, lm_cross_entropy, opt, variant.aux_coef, None, False)
@@ -213,12 +213,12 @@ def main() -> None:
     ap.add_argument("--labutils", help="=DIR: the labutils package of another tree (see the top of this file)")
     ap.add_argument("--steps-only", action="store_true", help="whole steps only: print, record nothing")
     ap.add_argument("--adam", choices=sorted(ADAM) + ["study"], default="study",
-                    help="both models' Adam: the study's (lm_study.optimizer: fused) or one of torch's variants")
+                    help="both models' Adam: the study's (lm_study.config.optimizer: fused) or one of torch's variants")
     args = ap.parse_args()
-    cfg = lm_study.PRESETS["full"]
+    cfg = config.PRESETS["full"]
     torch.set_num_threads(cfg.threads)
     load_before = os.getloadavg()
-    corpus = lm_study.corpus_for(cfg.val_one_in)
+    corpus = runner.corpus_for(cfg.val_one_in)
     runs = {name: setup(cfg, name, corpus, adam=args.adam)
             for name in ("dense", "MoE")}
     for step in (run[2] for run in runs.values()):

@@ -158,8 +158,8 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
 
 
 def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
-    from labbook.toys import ep_layers
-    from labutils.ds.gating import ds_capacity
+    from labbook.toys.ch02_deepspeed import ep_layers
+    from labutils.moe.capacity import deepspeed_capacity
 
     rank = dist.get_rank()
     full, sharded = ep_layers(d, experts, k, seed, drop_tokens=(design == "ds drop"))
@@ -188,7 +188,7 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
     errors = {"output": _err({"y": y}, {"y": y_ref}), "input grad": _err({"x": gx}, {"x": gx_ref}),
               "param grads": _err(got, g_ref)}
     kept = int((y.abs().sum(1) > 0).sum())                                  # tokens with any expert output
-    cap = ds_capacity(tokens, experts, 1.0, k=k, min_capacity=0) if design == "ds drop" else tokens * k
+    cap = deepspeed_capacity(tokens, experts, 1.0, k=k, min_capacity=0) if design == "ds drop" else tokens * k
     dropped = int((seen["counts"].long() - cap).clamp_min(0).sum())          # choices over capacity
     return errors, {**_measure(lambda: run(sharded, False), steps), "tokens_without_output": tokens - kept,
                     "choices_dropped": dropped, "routed": seen["counts"].long().tolist()}

@@ -7,9 +7,8 @@ DeepSpeed and fastmoe are optional and imported only by the features that use th
 
 | module | what | chapter |
 |---|---|---|
-| ``launcher``, ``_run``, ``_failures``, ``_launchdir`` | ``launch``: a notebook cell's workers (parent side) | 00 |
-| ``_worker``, ``_procs``, ``_watch`` | the zygote and the ranks, started by file path; the collective watch | 00 |
-| ``torchrun``, ``backend`` | the same functions under torchrun; the one backend / threads choice | 00 |
+| ``launcher/`` | ``launch``: a notebook cell's workers, the zygote and ranks (by file path), the backend choice | 00 |
+| ``torchrun`` | the same functions under torchrun (``python -m labutils.torchrun mod:fn``) | 00 |
 | ``presets``, ``compare``, ``plotting``, ``params`` | presets, parity checks, plots, parameter counts | 00 |
 | ``nbtools``, ``optional`` | env report, seeding, ``show_source``, ``quiet``; optional imports, install hints | 00 |
 | ``moe/`` | the MoE core; ``moe/fastmoe/`` fastmoe's face; ``moe/modern/`` chapter 09's wing | 01, 06, 09 |
@@ -31,7 +30,8 @@ __version__ = "0.3.0"
 # public name -> module that defines it
 _EXPORTS = {
     # chapter 00: foundation
-    "launch": "launcher", "WorkerError": "launcher", "worker_info": "launcher", "default_backend": "backend",
+    "launch": "launcher", "WorkerError": "launcher", "worker_info": "launcher",
+    "default_backend": "launcher.backend",
     "select_preset": "presets", "preset_name": "presets",
     "cmp": "compare", "check": "compare", "must_fail": "compare", "assert_close": "compare",
     "compare_tensors": "compare", "compare_models": "compare", "ParityReport": "compare",

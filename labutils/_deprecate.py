@@ -12,6 +12,9 @@ shims) to the new path(s), the version that deprecated it and the version that r
       aux_loss = deprecated("aux_loss", _read_and_clear_aux_loss)  # labutils/models.py; versions from the table
 
 * ``"call"``: an old way of calling a function that still exists (its new form is the function itself).
+* ``"moved"``: a name's second address (issue 39: one address per name), a re-export (``labbook.toys`` of its
+  sections' workers, ``labutils.train`` of the checkpoint functions). Its module calls :func:`forward_moved`:
+  ``module.name`` warns and gives the object at its one address (the module's own code reads its globals).
 
 Every warning is a :class:`LabDeprecationWarning` (a ``DeprecationWarning``): the test suite turns the
 package's own into errors (``pyproject.toml``) while other libraries' stay ignored. The policy
@@ -37,7 +40,7 @@ class LabDeprecationWarning(DeprecationWarning):
 
 
 class Shim(NamedTuple):
-    kind: str            # "module", "name" or "call"
+    kind: str            # "module", "name", "call" or "moved"
     new: tuple           # new dotted path(s), relative to the top package, tried in order
     since: str           # the version that deprecated it
     removed_in: str      # the version that may remove it
@@ -45,6 +48,12 @@ class Shim(NamedTuple):
 
 def _moved(*new: str) -> Shim:
     return Shim("module", new, "0.2.0", "1.0.0")
+
+
+def _moved_names(old: str, new: str, names: str, kind: str = "moved") -> dict:
+    """Rows deprecated in 0.3.0, one per space-separated name: ``old.name`` -> ``new.name`` (``"moved"``: a name's
+    second address; ``"module"``: a moved module, ``old`` empty for one at the top of the package)."""
+    return {f"{old}.{n}".lstrip("."): Shim(kind, (f"{new}.{n}",), "0.3.0", "1.0.0") for n in names.split()}
 
 
 DEPRECATED = {
@@ -61,6 +70,8 @@ DEPRECATED = {
     "envreport": _moved("nbtools"),
     "moe.parallel": _moved("moe.expert_parallel"),
     "moe.bench": _moved("labbook.perf.layer_bench", "labbook.perf.verdicts"),
+    # the launch wing (issue 39): launch's modules moved into the package `launcher` (launcher.py its __init__)
+    **_moved_names("", "launcher", "_run _worker _watch _procs _launchdir _failures backend", "module"),
     # renamed functions
     "models.aux_loss": Shim("name", ("moe.gates.collect_aux_loss",), "0.2.0", "1.0.0"),
     # old calls: limit_by_capacity(gate_idx, tot_expert, capacity) is drop_over_capacity's result
@@ -71,17 +82,56 @@ DEPRECATED = {
     "check_exercise": Shim("name", ("labbook.exercises.check_exercise",), "0.3.0", "1.0.0"),
     # chapter 08's timing catalogue too (issue 39): the package, and each module (`labutils.perf.timing` ...)
     "perf": Shim("module", ("labbook.perf",), "0.3.0", "1.0.0"),
-    "perf.timing": Shim("module", ("labbook.perf.timing",), "0.3.0", "1.0.0"),
-    "perf.problem": Shim("module", ("labbook.perf.problem",), "0.3.0", "1.0.0"),
-    "perf.dispatch": Shim("module", ("labbook.perf.dispatch",), "0.3.0", "1.0.0"),
-    "perf.real_layers": Shim("module", ("labbook.perf.real_layers",), "0.3.0", "1.0.0"),
-    "perf.sweep": Shim("module", ("labbook.perf.sweep",), "0.3.0", "1.0.0"),
-    "perf.breakdown": Shim("module", ("labbook.perf.breakdown",), "0.3.0", "1.0.0"),
-    "perf.layer_bench": Shim("module", ("labbook.perf.layer_bench",), "0.3.0", "1.0.0"),
-    "perf.verdicts": Shim("module", ("labbook.perf.verdicts",), "0.3.0", "1.0.0"),
+    **_moved_names("perf", "labbook.perf", "timing problem dispatch real_layers sweep breakdown layer_bench verdicts",
+                   "module"),
     # deprecated in 0.2.0 and wrongly removed in 0.3.0 (the policy: never before removed_in): restored here
     "perf.layer_bench.bench_clock": Shim("name", ("labbook.perf.timing.clock",), "0.2.0", "1.0.0"),
     "perf.layer_bench.machine_info": Shim("name", ("labbook.perf.timing.machine_info",), "0.2.0", "1.0.0"),
+    # one address per name (issue 39): a name is imported from the module that defines it; its second address,
+    # a re-export, forwards with a warning. The copyable package's (paths relative to it) ...
+    **_moved_names("collectives", "agreement", "CollectiveMismatch require_process_group"),
+    **_moved_names("train", "checkpoint", "CheckpointError CheckpointSaveError check_writable load_checkpoint "
+                                          "restore save_checkpoint"),
+    **_moved_names("launcher", "launcher.backend", "default_backend"),
+    **_moved_names("moe.capacity_gates", "moe.capacity", "limit_by_capacity drop_over_capacity position_in_expert "
+                                                          "exchange_counts"),
+    **_moved_names("moe.expert_parallel", "moe.capacity", "exchange_counts"),
+    **_moved_names("moe.modern.expert_choice", "moe.capacity", "expert_capacity"),
+    **_moved_names("moe.traffic", "moe.capacity", "deepspeed_capacity deepspeed_dropless_capacity"),
+    **_moved_names("moe.fastmoe.api", "collectives", "slice_sizes"),  # fastmoe's own names stay on its face
+    **_moved_names("moe.fastmoe.api", "moe.layers", "DP_COMM"),
+    **_moved_names("ds.runtime", "nbtools", "quiet"),  # `labutils.ds.quiet`, the wing's face, stays
+    **_moved_names("ds.gating", "moe.capacity", "exact_capacity"),
+    "ds.gating.ds_capacity": Shim("moved", ("moe.capacity.deepspeed_capacity",), "0.3.0", "1.0.0"),
+    # ... and the book's (absolute): the hubs that re-exported their sections' names, the grader, the catalogue
+    **_moved_names("labbook.toys", "labbook.toys.ch02_deepspeed", "capacity_pitfall distinct_experts ep_layers "
+                                                                  "ep_parity expert"),
+    **_moved_names("labbook.toys", "labbook.toys.ch07_costs", "COST_MODES collective_bytes cost_setup cost_step "
+                                                              "dp_costs local_bytes memory_per_rank ring_minimum"),
+    **_moved_names("labbook.toys", "labbook.toys.ch07_ddp", "ATOL RTOL Net batch_rows data_parallel_checks "
+                   "ddp_controls ddp_run plain_params replicate_checks replicate_device_id_error replicate_device_ids "
+                   "replicate_each_layer replicate_fsdp2 replicate_ignored_fc1 replicate_state_dicts "
+                   "replicate_trains slices_partition step_model train_side_by_side"),
+    **_moved_names("labbook.toys", "labbook.toys.ch07_ep_groups", "broadcast_checks fmoe_block lab_fmoe_check "
+                                                                  "moe_ep_groups replica_gap"),
+    **_moved_names("labbook.toys", "labbook.toys.ch07_fsdp", "FSDP_CASES BatchDim1 SimpleMLP cpu_offload_error "
+                   "fsdp_case fsdp_vs_ddp gloo_features shard_each_linear shard_table solo_mesh train_step"),
+    **_moved_names("labbook.toys", "labbook.toys.ch07_moe", "Expert TinyMoE as_rank_names ep_copy grads_of "
+                   "moe_checks moe_grouped moe_naive_ddp moe_native moe_setup moe_train_parity norm_rel"),
+    **_moved_names("labbook.lm_study", "labbook.lm_study.config", "ABLATIONS LOAD_WINDOWS MAIN PRESETS StudyConfig "
+                   "Variant build data_limited epochs measured_train_flops optimizer train_flops_per_token variants"),
+    **_moved_names("labbook.lm_study", "labbook.lm_study.data_checks", "file_coverage shared_windows window_coverage"),
+    **_moved_names("labbook.lm_study", "labbook.lm_study.plots", "busiest_over_mean load_shares plot_ablations "
+                                                                 "plot_layer_load plot_study"),
+    **_moved_names("labbook.lm_study", "labbook.lm_study.runner", "TrainClock corpus_for heldout_loss run_one "
+                                                                  "run_study training_text"),
+    **_moved_names("labbook.lm_study", "labbook.lm_study.summary", "Curve ablation_comparisons ablation_lines curves "
+                   "loss_at seed_bootstrap steps_to_reach summarize target_met target_verdict verdict_lines"),
+    **_moved_names("labbook.grader", "labbook.grader.catalog", "ENTRIES entry"),  # `grade` is the package's face
+    **_moved_names("labbook.perf.dispatch", "labbook.perf.problem", "Problem DispatchOut make_problem route "
+                                                                    "expert_mlp fwd_bwd"),
+    **_moved_names("labbook.perf.dispatch", "labbook.perf.real_layers", "core CoreMoE DeepSpeedMoE fastmoe "
+                                                                        "per_expert_tensors"),
 }
 BOOK = "labbook"  # a target in this package is absolute: the book's own package, never part of a copy
 
@@ -96,7 +146,8 @@ def lookup(name: str) -> Shim | None:
     """The table's entry for ``name``: a dotted path of :data:`DEPRECATED`, or the last part of exactly one."""
     if name in DEPRECATED:
         return DEPRECATED[name]
-    found = [shim for path, shim in DEPRECATED.items() if shim.kind != "module" and path.rsplit(".", 1)[-1] == name]
+    found = [shim for path, shim in DEPRECATED.items()
+             if shim.kind in ("name", "call") and path.rsplit(".", 1)[-1] == name]
     return found[0] if len(found) == 1 else None
 
 
@@ -160,6 +211,12 @@ def moved_module(old: str, *new: str):
             return deprecated(name, getattr(importlib.import_module(module_name), attr))
         for target in targets:
             module = importlib.import_module(target)
+            moved = DEPRECATED.get(f"{_relative(target)}.{name}")
+            if moved is not None and moved.kind == "moved":  # a second address there too: straight to the one
+                warnings.warn(f"{old} moved to {target} in labutils {entry.since} (the old path goes in "
+                              f"{entry.removed_in}): use {_target(moved.new[0])}", LabDeprecationWarning,
+                              stacklevel=2)
+                return _resolve(moved.new[0])
             if hasattr(module, name):
                 warnings.warn(f"{old} moved to {target} in labutils {entry.since} (the old path goes in "
                               f"{entry.removed_in}): use {target}.{name}", LabDeprecationWarning, stacklevel=2)
@@ -172,6 +229,46 @@ def moved_module(old: str, *new: str):
 def _target(path: str) -> str:
     """A table path as an importable name: relative to this package, or absolute in the book's package."""
     return path if path.split(".")[0] == BOOK else f"{_TOP}.{path}"
+
+
+def _relative(module: str) -> str:
+    """A module's name as the table writes it: relative to this package, or absolute in the book's package."""
+    return module.removeprefix(f"{_TOP}.")
+
+
+def _resolve(path: str):
+    """The object at a table path ``module.name``."""
+    module, _, attr = _target(path).rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+class _Forwarding(types.ModuleType):
+    """The class of a module some of whose names moved (``"moved"`` rows, :func:`forward_moved`): ``module.name``
+    and ``from module import name`` warn and give the object at its one address. Only reads from outside come
+    here: the module's own functions read their globals directly."""
+
+    def __getattribute__(self, name: str):
+        if name[:1] != "_":
+            old = f"{_relative(types.ModuleType.__getattribute__(self, '__name__'))}.{name}"
+            shim = DEPRECATED.get(old)
+            if shim is not None and shim.kind == "moved":
+                warnings.warn(f"{_target(old)} is deprecated since labutils {shim.since} and will be removed in "
+                              f"{shim.removed_in}; use {_target(shim.new[0])} (one address per name)",
+                              LabDeprecationWarning, stacklevel=2)
+                return _resolve(shim.new[0])
+        return super().__getattribute__(name)
+
+    def __reduce__(self):  # by reference, as cloudpickle ships a plain module (a launch worker's globals)
+        return importlib.import_module, (self.__name__,)
+
+
+def forward_moved(module: str) -> None:
+    """Make module ``module`` (its ``__name__``; it calls this once) forward the names the table says moved away
+    from it (``"moved"`` rows under its path), with a :class:`LabDeprecationWarning` each time one is read."""
+    rel = _relative(module)
+    if not any(path.rpartition(".")[0] == rel and shim.kind == "moved" for path, shim in DEPRECATED.items()):
+        raise ValueError(f"{module}: no name of it is a 'moved' row of {__name__}.DEPRECATED")
+    sys.modules[module].__class__ = _Forwarding
 
 
 def forward_name(name: str):

@@ -52,6 +52,18 @@ def _finite_number(x) -> bool:
         return False
 
 
+def _real(x) -> bool:
+    """``x`` is a finite real number: a Python or numpy number or a one-element tensor, never a bool or a str (a
+    "1.3" read from a file would compare as text, ``True`` as 1)."""
+    return not isinstance(x, (bool, str, bytes)) and _finite_number(x)
+
+
+def _level(where: str, level) -> None:
+    """The confidence level of an interval: a number strictly between 0 and 1."""
+    if not (_real(level) and 0.0 < float(level) < 1.0):
+        raise ValueError(f"{where}: level must be a number in (0, 1), e.g. 0.95, got {level!r}")
+
+
 def _mean_sd(xs: list) -> tuple:
     n = len(xs)
     m = sum(xs) / n if n else float("nan")

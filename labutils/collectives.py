@@ -20,21 +20,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._deprecate import forward_moved
 from .agreement import (
     BAD_DIM,
     MAX_DIMS,
-    OK,
     ZERO_DIM,
-    CollectiveMismatch,
     check_all_to_all,
     check_gather,
     local_problem,
-    require_process_group,  # the lab's one process-group check, used from here by the MoE core
+    require_process_group,  # the lab's one process-group check (its address: labutils.agreement)
 )
 
-__all__ = ["require_process_group", "CollectiveMismatch", "all_to_all", "pad_dim_to", "all_gather_same_dim",
-           "gather_sizes", "all_gather_variable_dim", "AllGatherFunction", "all_gather", "AllGather", "slice_sizes",
-           "rank_slice", "Slice", "split_by_rank"]
+__all__ = ["all_to_all", "pad_dim_to", "all_gather_same_dim", "gather_sizes", "all_gather_variable_dim",
+           "AllGatherFunction", "all_gather", "AllGather", "slice_sizes", "rank_slice", "Slice", "split_by_rank"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,7 +151,7 @@ def all_gather_variable_dim(t: torch.Tensor, dim: int = 0, sizes=None, group=Non
             torch.as_tensor(sizes, dtype=torch.long)
     else:
         code, text = local_problem(t, dim)
-        if code != OK:
+        if code in (ZERO_DIM, BAD_DIM):  # not TOO_MANY_DIMS: check=False is what takes more than MAX_DIMS dims
             raise (IndexError if code == BAD_DIM else ValueError)(f"all_gather_variable_dim: this rank {text}")
         dim = dim % t.dim()
         sizes = gather_sizes(t, dim, group) if sizes is None else torch.as_tensor(sizes, dtype=torch.long)

@@ -146,10 +146,22 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 @contextlib.contextmanager
 def must_fail(name: str, errors=AssertionError):
     """A negative control: the block must raise ``errors`` (a check that fails on a planted bug). Prints what it
-    caught; raises AssertionError naming the control when the block ran through. (Chapter 00.)"""
+    caught; raises AssertionError naming the control when the block ran through. (Chapter 00.)
+
+    Refuses, before the block runs: a ``name`` that is not a non-empty str (``must_fail(ValueError)`` would
+    catch only AssertionError and let the ValueError through) and ``errors`` that is not an exception class or a
+    tuple of them (Python would only say so once the block raised)."""
+    if not (isinstance(name, str) and name.strip()):
+        hint = (f" (an exception class goes to errors=: must_fail('what the control shows', errors="
+                f"{name.__name__}))" if isinstance(name, type) and issubclass(name, BaseException) else "")
+        raise TypeError(f"must_fail: name must be a non-empty str naming the control, got {name!r}{hint}")
+    classes: tuple = tuple(errors) if isinstance(errors, tuple) else (errors,)
+    if not classes or not all(isinstance(e, type) and issubclass(e, BaseException) for e in classes):
+        raise TypeError(f"must_fail({name!r}): errors must be an exception class or a tuple of them, e.g. "
+                        f"errors=(AssertionError, ValueError), got {errors!r}")
     try:
         yield
-    except errors as err:
+    except classes as err:
         print(f"✅ {name}: the check fails as it should:", " | ".join(str(err).splitlines()[:2]))
         return
     raise AssertionError(f"FAILED: {name}: the block raised nothing, so the check it guards cannot fail")

@@ -20,7 +20,9 @@ Refused, each with a message naming the argument, the value and what is accepted
 expected (``{seed: loss}`` would be read as its keys, the seeds: pass ``list(d.values())``), NaN or infinite
 values, and a t-test whose spread is zero (every value of both arms the same up to rounding, or every paired
 difference the same) when the means differ: a t-test cannot tell a real difference from one measured with no
-noise (see :func:`welch`).
+noise (see :func:`welch`); a (high, low) interval given to :func:`clears`, and one Comparison alone given to
+:func:`holm`. Deliberately accepted: a t-interval of values without spread is the point ``(v, v)``
+(:func:`t_interval` says why).
 
 Student's t distribution is computed here in plain Python (the regularised incomplete beta function by its continued
 fraction), so the book needs no scipy; ``tests/test_stats.py`` checks it against scipy's values.
@@ -33,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import overload
 
-from ._stats_input import _finite, _finite_number, _is_number, _mean_sd, _not_a_dict, _preview, _values  # noqa: F401
+from ._stats_input import _finite, _finite_number, _is_number, _mean_sd, _not_a_dict, _preview, _real, _values  # noqa: F401
 from ._stats_intervals import all_pairs, bootstrap_ci, clears, t_interval, target_verdict  # noqa: F401
 from ._student_t import t_cdf, t_ppf
 
@@ -106,11 +108,14 @@ def _verdict(diff: float, p: float, n_a: int, n_b: int, lower_is_better: bool, a
     return "ahead" if better else "behind"
 
 
-def _check_common(alpha: float, min_n: int):
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-    if not (isinstance(min_n, int) and min_n >= 2):
-        raise ValueError(f"min_n must be an int >= 2 (a t-test needs two values per arm), got {min_n!r}")
+def _check_common(where: str, alpha: float, min_n: int, names) -> None:
+    if not (_real(alpha) and 0.0 < float(alpha) < 1.0):
+        raise ValueError(f"{where}: alpha must be a number in (0, 1), e.g. 0.05, got {alpha!r}")
+    if not (isinstance(min_n, int) and not isinstance(min_n, bool) and min_n >= 2):
+        raise ValueError(f"{where}: min_n must be an int >= 2 (a t-test needs two values per arm), got {min_n!r}")
+    if isinstance(names, (str, bytes, Mapping)) or not (isinstance(names, (tuple, list)) and len(names) == 2):
+        raise ValueError(f"{where}: names must be a pair (the name of a, the name of b), e.g. ('MoE', 'dense'), got "
+                         f"{names!r}")
 
 
 def _result(names, a: list, b: list, diff: float, se: float, df: float, test: str, lower_is_better: bool,
@@ -157,8 +162,8 @@ def welch(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float 
 
     Refuses (before computing anything), naming the argument and the value: a dict for ``a`` or ``b`` (pass
     ``list(d.values())``), values that are not numbers, NaN or +-inf, the zero spread above, ``alpha`` outside
-    (0, 1) and ``min_n`` < 2."""
-    _check_common(alpha, min_n)
+    (0, 1), ``min_n`` < 2 and ``names`` that is not a pair."""
+    _check_common("welch", alpha, min_n, names)
     a, b = _values("welch", f"a ({names[0]})", a), _values("welch", f"b ({names[1]})", b)
     (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
     if len(a) < 2 or len(b) < 2:
@@ -183,8 +188,8 @@ def paired(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float
 
     Refuses (before computing anything), naming the argument and the value: a dict for ``a`` or ``b`` (pass
     ``list(d.values())``), values that are not numbers, NaN or +-inf, arms of different lengths, the zero
-    spread above, ``alpha`` outside (0, 1) and ``min_n`` < 2."""
-    _check_common(alpha, min_n)
+    spread above, ``alpha`` outside (0, 1), ``min_n`` < 2 and ``names`` that is not a pair."""
+    _check_common("paired", alpha, min_n, names)
     a, b = _values("paired", f"a ({names[0]})", a), _values("paired", f"b ({names[1]})", b)
     if len(a) != len(b):
         raise ValueError(f"paired: {names[0]} has {len(a)} values and {names[1]} {len(b)}; pairs need equal lengths")
@@ -228,8 +233,14 @@ def holm(comparisons):
     """The comparisons (a dict ``{key: Comparison}`` or a list) with p adjusted by Holm's method over the family of
     every one that has a p-value (an arm with one value has none and is left as it is), each verdict recomputed
     from its adjusted p (seed rule and alpha unchanged); ``family`` and ``p_raw`` say what was done and the
-    sentence says so. Confidence intervals stay the unadjusted 95% ones. Refuses anything that is not a Comparison,
-    and a comparison already adjusted (``family`` > 1): adjusting twice would be wrong."""
+    sentence says so. Confidence intervals stay the unadjusted 95% ones. Refuses one Comparison alone (the family
+    is every test made on the record: pass them all, as a list or a dict), anything that is not a Comparison, and a
+    comparison already adjusted (``family`` > 1): adjusting twice would be wrong."""
+    if not isinstance(comparisons, (Mapping, list, tuple)):
+        one = " (one Comparison alone is a family of one: nothing to adjust)" if isinstance(comparisons,
+                                                                                          Comparison) else ""
+        raise TypeError(f"holm: comparisons must be a list or dict of every Comparison in the family{one}, got "
+                        f"{type(comparisons).__name__}")
     items = list(comparisons.items()) if isinstance(comparisons, Mapping) else list(enumerate(comparisons))
     for key, c in items:
         if not isinstance(c, Comparison):

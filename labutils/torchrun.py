@@ -17,7 +17,7 @@ import importlib
 import os
 import sys
 
-from .backend import choose
+from .launcher.backend import choose
 
 
 def init_from_env(backend: str = "auto") -> str:

@@ -31,11 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CheckpointError, CheckpointSaveError, check_writable, load_checkpoint, restore, save_checkpoint  # noqa: F401
+from ._deprecate import forward_moved
+from .checkpoint import check_writable, restore
 from .checkpoint import save_or_raise as _save
 from .data import _size  # the one int check of the trainer and its data
 from .models import AUX_COEF, ExpertLoadRecorder
 from .moe.gates import collect_aux_loss
+
+forward_moved(__name__)  # the checkpoint functions' old addresses here warn: labutils.checkpoint is theirs
 
 
 class NonFiniteLossError(FloatingPointError):

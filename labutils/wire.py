@@ -17,8 +17,11 @@ bytes still queued); ``received`` counts what has arrived. Neither is complete t
 Three things the kernel's counters of open sockets cannot see on their own, and what ``count_wire`` does about each:
 
 * bytes a transport thread hands to the kernel *after* the block's last line (gloo writes from its own thread): on
-  leaving the block the counters are read again until they have not moved for ``settle`` seconds (``w.settled``
-  says whether they stopped within ``max_wait``);
+  leaving the block the counters are read again, after pauses of 0.5, 1, 2, 4, 5, 5 ... ms, until a re-read finds
+  them unchanged while no other thread of the process is running or runnable (only a thread of this process can
+  hand it bytes to send, and a sleeping one needs an event to wake it first), or until they have not moved for
+  ``settle`` seconds, whichever comes first (``w.settled`` says whether either happened within ``max_wait``). A
+  count after a collective usually ends at the first re-read, within a millisecond, instead of waiting ``settle``;
 * a connection closed inside the block (a process group made and destroyed in it): its counters are gone when the
   block ends. ``w.closed`` counts the connections open at the start and gone at the end. Gloo closes its end when
   a peer leaves, so a rank that finishes first can take bytes out of a slower rank's count (chapter 06 saw counts
@@ -32,15 +35,20 @@ Three things the kernel's counters of open sockets cannot see on their own, and 
 Only the calling process's sockets are read, so count inside a rank: in the worker function that ``launch`` runs
 (``def fn(): with count_wire() as w: ...; return w.sent``). ``count_wire()`` refuses to start in a process that is
 not a rank (torch.distributed not initialised there), such as the notebook kernel around a ``launch``: the
-ranks send from their own processes, so the kernel's count would be 0, or the kernel's own traffic. ``w.sent``
-and ``w.received`` exist once the ``with`` block has ended; read earlier, or without ``with``, they raise.
+ranks send from their own processes, so the kernel's count would be 0, or the kernel's own traffic. ``w.sent``,
+``w.received``, ``w.store``, ``w.closed`` and ``w.settled`` exist once the ``with`` block has ended; read earlier,
+or without ``with``, they raise. A counter entered again inside its own block, and ``settle`` / ``max_wait`` that
+are not finite numbers of seconds with 0 <= settle <= max_wait, are refused.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import socket
 import struct
 import sys
+import threading
 import time
 
 __all__ = ["tcp_counters", "count_wire", "WireCount"]
@@ -92,16 +100,26 @@ class WireCount:
     ``store`` (bytes appended to the rendezvous store), ``closed`` (connections gone by the end) and ``settled``."""
 
     def __init__(self, settle: float = 0.05, max_wait: float = 5.0):
-        if not settle >= 0 or not max_wait >= settle:
+        for arg, value in (("settle", settle), ("max_wait", max_wait)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"count_wire: {arg} must be a number of seconds, got {value!r}")
+            if not math.isfinite(value):
+                why = (" (the count would wait forever for a socket that never goes quiet)"
+                       if arg == "max_wait" and value == math.inf else "")
+                raise ValueError(f"count_wire: {arg} must be a finite number of seconds, got {value!r}{why}")
+        if not 0 <= settle <= max_wait:
             raise ValueError(f"count_wire: need 0 <= settle <= max_wait, got settle={settle!r}, max_wait={max_wait!r}")
         self.settle, self.max_wait = float(settle), float(max_wait)
         self._counts: tuple | None = None   # (sent, received) once a block has ended
         self._before: dict | None = None    # this process's counters while a block runs
         self._store_before = 0
-        self.store = self.closed = None     # set when the block ends
-        self.settled = None
+        self._extra: tuple | None = None    # (store, closed, settled) once a block has ended
 
     def __enter__(self):
+        if self._before is not None:
+            raise RuntimeError("count_wire: this counter is already counting (a `with w:` inside its own `with "
+                               "count_wire() as w:` block): entering it again would restart its count and lose the "
+                               "outer one. Nest a second counter instead: with count_wire() as inner: ...")
         _require_rank()
         self._store_before = _store_bytes()
         self._before = tcp_counters()
@@ -117,17 +135,20 @@ class WireCount:
 
         after = tcp_counters()
         counts, start = totals(after), time.monotonic()
-        quiet_since = start
-        while time.monotonic() - quiet_since < self.settle and time.monotonic() - start < self.max_wait:
-            time.sleep(min(0.005, self.settle))
+        quiet_since, pause, still = start, _FIRST_PAUSE, False   # still: unchanged over a re-read, no thread running
+        while self.settle > 0 and not still and time.monotonic() - quiet_since < self.settle \
+                and time.monotonic() - start < self.max_wait:
+            time.sleep(min(pause, self.settle))
+            pause = min(2 * pause, _LAST_PAUSE)
             after = tcp_counters()
             now = totals(after)
             if now != counts:                # still moving: a late message reached the kernel
-                counts, quiet_since = now, time.monotonic()
-        self.settled = time.monotonic() - quiet_since >= self.settle
+                counts, quiet_since, pause = now, time.monotonic(), _FIRST_PAUSE
+            else:
+                still = not _other_threads_running()
+        settled = still or time.monotonic() - quiet_since >= self.settle
         self._counts = counts
-        self.closed = len(set(before) - set(after))
-        self.store = _store_bytes() - self._store_before
+        self._extra = (_store_bytes() - self._store_before, len(set(before) - set(after)), settled)
         self._before = None
         return False
 
@@ -141,19 +162,67 @@ class WireCount:
         """Bytes this process's sockets received during the block."""
         return self._result()[1]
 
+    @property
+    def store(self) -> int:
+        """Bytes appended to the rendezvous FileStore during the block (0 for any other store)."""
+        self._result()
+        assert self._extra is not None
+        return self._extra[0]
+
+    @property
+    def closed(self) -> int:
+        """Connections open when the block started and gone when it ended."""
+        self._result()
+        assert self._extra is not None
+        return self._extra[1]
+
+    @property
+    def settled(self) -> bool:
+        """Whether the count settled within ``max_wait`` (see :func:`count_wire` for when it does)."""
+        self._result()
+        assert self._extra is not None
+        return self._extra[2]
+
     def _result(self) -> tuple:
         if self._before is not None:
-            raise RuntimeError("count_wire: w.sent / w.received are read inside the `with count_wire() as w:` "
-                               "block; they are set when the block ends: read them after it")
+            raise RuntimeError("count_wire: w.sent / w.received (and w.store, w.closed, w.settled) are read inside "
+                               "the `with count_wire() as w:` block; they are set when the block ends: read them "
+                               "after it")
         if self._counts is None:
             raise RuntimeError("count_wire: this counter was never entered, so it counted nothing (not 0 bytes): "
-                               "use `with count_wire() as w: ...` and read w.sent / w.received after the block")
+                               "use `with count_wire() as w: ...` and read w.sent / w.received (w.store, w.closed, "
+                               "w.settled) after the block")
         return self._counts
 
     def __repr__(self):
         if self._counts is None:
             return "WireCount(not counted: use `with count_wire() as w:`)"
         return f"WireCount(sent={self._counts[0]}, received={self._counts[1]})"
+
+
+_FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.005  # seconds between re-reads of the counters: doubling, then capped
+
+
+def _other_threads_running() -> bool:
+    """Whether a thread of this process other than the caller is running or runnable (``R``) or in an
+    uninterruptible wait (``D``), from ``/proc/self/task/*/stat``: such a thread may be about to hand bytes to a
+    socket. True when the states cannot be read (the caller then waits the whole ``settle``)."""
+    me = str(threading.get_native_id())
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if stat[stat.rindex(b")") + 2:][:1] in (b"R", b"D"):  # the state follows "pid (comm) "
+            return True
+    return False
 
 
 def _store_bytes() -> int:
@@ -189,9 +258,12 @@ def _require_rank() -> None:
 
 def count_wire(settle: float = 0.05, max_wait: float = 5.0) -> WireCount:
     """``with count_wire() as w: ...`` then ``w.sent`` / ``w.received``: TCP payload bytes this process's
-    sockets carried during the block (see the module docstring for what is and is not seen), read when they have
-    not moved for ``settle`` seconds (at most ``max_wait``: ``w.settled``); ``w.store``: bytes appended to the
+    sockets carried during the block (see the module docstring for what is and is not seen), read when a re-read
+    finds them unchanged while no other thread of the process runs, or when they have not moved for ``settle``
+    seconds (at most ``max_wait``: ``w.settled``; ``settle=0``: no re-read); ``w.store``: bytes appended to the
     rendezvous FileStore meanwhile; ``w.closed``: connections that closed in the block. Inside a rank only:
     raises RuntimeError in a process without a process group (around a ``launch``, count in the worker function),
-    and when ``w.sent`` is read before the block ended or without ``with``."""
+    when ``w.sent`` (or any count) is read before the block ended or without ``with``, and when the counter is
+    entered again inside its own block; TypeError / ValueError for ``settle`` / ``max_wait`` not finite numbers of
+    seconds with 0 <= settle <= max_wait."""
     return WireCount(settle, max_wait)

@@ -19,13 +19,8 @@ import torch
 import torch.distributed as dist
 
 from labutils import WorkerError, launch
-from labutils.collectives import (
-    CollectiveMismatch,
-    all_gather,
-    all_gather_same_dim,
-    all_gather_variable_dim,
-    all_to_all,
-)
+from labutils.agreement import CollectiveMismatch
+from labutils.collectives import all_gather, all_gather_same_dim, all_gather_variable_dim, all_to_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -72,7 +72,10 @@ def _every_rank():
     with count_wire() as w:
         dist.all_reduce(torch.zeros(MB // 4))
         out["wire inside block"] = _caught(lambda: w.received)
+        out["wire store inside block"] = _caught(lambda: w.store)
+        out["wire entered again"] = _caught(lambda: _enter_again(w))
     out["wire control"] = ("ok", (w.sent, w.received))
+    out["wire extras control"] = ("ok", (w.store, w.closed, w.settled))
 
     # -- gather_rows: rows of different lengths, then the same lengths ---------------------------------------
     out["rows of different lengths"] = _caught(lambda: gather_rows([7, 8, 9][:2 + rank], torch.zeros(1), None))
@@ -146,6 +149,11 @@ def _every_rank():
     return out
 
 
+def _enter_again(w):
+    with w:   # the counter's own block is still open
+        pass
+
+
 @pytest.fixture(scope="module")
 def ranks():
     """Both ranks' outcomes of ``_every_rank``; every refusal must be the same on both (raised everywhere)."""
@@ -162,7 +170,7 @@ def _same_on_every_rank(ranks, case):
 
 def test_count_wire_read_without_with_raises_instead_of_reporting_zero():
     w = count_wire()
-    for attr in ("sent", "received"):
+    for attr in ("sent", "received", "store", "closed", "settled"):   # the last three gave None
         with pytest.raises(RuntimeError, match=r"never entered, so it counted nothing \(not 0 bytes\): use "
                                                r"`with count_wire\(\) as w: \.\.\.`"):
             getattr(w, attr)
@@ -176,8 +184,33 @@ def test_count_wire_in_a_rank_without_with_or_inside_the_block(ranks):
         assert kind == "RuntimeError" and "never entered" in text and "`with count_wire() as w:" in text, text
         kind, text = r["wire inside block"]
         assert kind == "RuntimeError" and "read inside the `with count_wire() as w:` block" in text, text
+        kind, text = r["wire store inside block"]
+        assert kind == "RuntimeError" and "(and w.store, w.closed, w.settled) are read inside the `with " \
+            "count_wire() as w:` block" in text, text
+        kind, text = r["wire entered again"]
+        assert kind == "RuntimeError" and text.startswith("count_wire: this counter is already counting"), text
+        assert "entering it again would restart its count and lose the outer one" in text, text
         sent, received = r["wire control"][1]
         assert sent >= MB and received >= MB, (sent, received)   # 2 ranks, ring all-reduce: the tensor each way
+        store, closed, settled = r["wire extras control"][1]    # the refused re-entry left the outer count intact
+        assert store == 0 and closed == 0 and settled is True, r["wire extras control"]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(max_wait=float("inf")), ValueError, r"max_wait must be a finite number of seconds, got inf \(the count "
+                                              r"would wait forever for a socket that never goes quiet\)"),
+    (dict(settle=float("nan")), ValueError, r"settle must be a finite number of seconds, got nan"),
+    (dict(settle="0.1"), TypeError, r"settle must be a number of seconds, got '0\.1'"),
+    (dict(max_wait=True), TypeError, r"max_wait must be a number of seconds, got True"),
+    (dict(settle=1.0, max_wait=0.5), ValueError, r"need 0 <= settle <= max_wait, got settle=1\.0, max_wait=0\.5"),
+    (dict(settle=-0.1), ValueError, r"need 0 <= settle <= max_wait, got settle=-0\.1, max_wait=5\.0"),
+], ids=["inf-wait", "nan-settle", "str-settle", "bool-wait", "settle-past-wait", "negative-settle"])
+def test_count_wire_bad_settle_or_max_wait_is_refused(kwargs, error, words):
+    """Refused when the counter is made, outside a rank too (max_wait=inf could wait forever; '0.1' was a
+    TypeError from a comparison)."""
+    with pytest.raises(error, match=r"^count_wire: " + words + "$"):
+        count_wire(**kwargs)
+    assert count_wire(settle=0, max_wait=0).settle == 0.0   # the control: no settling at all is allowed
 
 
 def test_count_wire_around_a_launch_says_to_count_in_the_worker():

@@ -17,16 +17,18 @@ import pytest
 import torch
 from launch_helpers import describe, new_tag, tagged_pids, wait_gone
 
-from labbook.lm_study import StudyConfig, variants
+from labbook.lm_study.config import StudyConfig, variants
 from labutils import WorkerError, count_params, launch, worker_info
+from labutils.checkpoint import CheckpointError, load_checkpoint
 from labutils.data import RandomPairs
 from labutils.launcher import MISMATCH_S, TMP_PREFIX
 from labutils.models import SeqRegressor, make_ffn
 from labutils.moe import DCGate, FMoE, GShardGate, SwitchGate
+from labutils.moe.capacity import expert_capacity
 from labutils.moe.modern.aux_free import attach_bias_update, bias_update, update_expert_bias
-from labutils.moe.modern.expert_choice import expert_capacity, expert_choice_route
+from labutils.moe.modern.expert_choice import expert_choice_route
 from labutils.moe.modern.layer import ModernMoE
-from labutils.train import CheckpointError, load_checkpoint, train
+from labutils.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 8

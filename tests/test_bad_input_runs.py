@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -23,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 import labutils.checkpoint as checkpoint_mod
-from labbook.lm_study import StudyConfig
+from labbook.lm_study.config import StudyConfig
 from labbook.study import run_jobs
 from labbook.train_modern import run_variant
 from labutils import WorkerError, launch
+from labutils.checkpoint import CheckpointError, CheckpointSaveError, load_checkpoint, save_checkpoint
 from labutils.data import RandomPairs, char_corpus
 from labutils.models import SeqRegressor, make_ffn
-from labutils.train import CheckpointError, CheckpointSaveError, load_checkpoint, save_checkpoint, train
+from labutils.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -327,6 +329,46 @@ def test_launch_env_pythonpath_adds_to_the_ranks_path(tmp_path, monkeypatch):
     path = out[0]["path"]
     assert path[0] == ROOT, "the package's own folder comes first (a renamed copy imports under its name)"
     assert path.index(str(extra)) < path.index(str(caller)), path  # env's entries, then the caller's sys.path
+
+
+COURSEWORK = textwrap.dedent("""
+    import os
+    import sys
+    import mylab                               # the package, copied and renamed: only this folder has it
+    from mylab.moe import FMoE
+
+    def rank_work():
+        import torch
+        import torch.distributed as dist
+        import rankextra                       # only on env's PYTHONPATH
+        layer = FMoE(2, 4, top_k=1, expert=lambda d: torch.nn.Linear(d, d))
+        return [rankextra.VALUE, dist.get_rank(), type(layer).__module__]
+
+    os.chdir(sys.argv[2])                      # a notebook's %cd: the ranks start there, away from mylab
+    print("RESULT", mylab.launch(rank_work, 2, timeout=60, env={"PYTHONPATH": sys.argv[1]}))
+""")
+
+
+@pytest.mark.dist
+def test_launch_env_pythonpath_in_a_renamed_coursework_copy(tmp_path):
+    """The issue's case itself: a copy of the package renamed ``mylab`` (nothing of this repository on the path),
+    imported from its folder, which the script then leaves (a notebook's ``%cd``), launching with
+    ``env={"PYTHONPATH": ...}``: the ranks import both the copy and env's module (env's PYTHONPATH used to replace
+    the path, and the ranks, started elsewhere, could not import ``mylab`` to unpickle the function)."""
+    project, extra, elsewhere = tmp_path / "project", tmp_path / "extra", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(os.path.join(ROOT, "labutils"), project / "mylab",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    extra.mkdir()
+    (extra / "rankextra.py").write_text("VALUE = 41\n")
+    (project / "coursework.py").write_text(COURSEWORK)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LAB_PRESET")}
+    proc = subprocess.run([sys.executable, "coursework.py", str(extra), str(elsewhere)], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "RESULT [[41, 0, 'mylab.moe.layers'], [41, 1, 'mylab.moe.layers']]" in proc.stdout, out
+    assert "labutils" not in proc.stdout, out
 
 
 def leave_without_result(how):

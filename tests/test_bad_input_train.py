@@ -14,16 +14,10 @@ import torch
 import labutils.checkpoint as checkpoint_mod
 import labutils.train as train_mod
 from labutils import plot_expert_load, plot_losses, plot_param_counts
+from labutils.checkpoint import CheckpointError, CheckpointSaveError, load_checkpoint
 from labutils.data import CharBatches, EpochBatches, RandomPairs, char_corpus, fixed_windows
 from labutils.models import SeqRegressor, make_ffn
-from labutils.train import (
-    CheckpointError,
-    CheckpointSaveError,
-    NonFiniteLossError,
-    evaluate_loss,
-    load_checkpoint,
-    train,
-)
+from labutils.train import NonFiniteLossError, evaluate_loss, train
 
 D = 8
 

@@ -12,22 +12,11 @@ import torch
 from torch import nn
 
 from labbook import toys
-from labbook.toys import (
-    COST_MODES,
-    FSDP_CASES,
-    Net,
-    TinyMoE,
-    broadcast_checks,
-    data_parallel_checks,
-    ddp_controls,
-    ddp_run,
-    dp_costs,
-    fsdp_vs_ddp,
-    lab_fmoe_check,
-    moe_checks,
-    moe_ep_groups,
-    replicate_checks,
-)
+from labbook.toys.ch07_costs import COST_MODES, dp_costs
+from labbook.toys.ch07_ddp import Net, data_parallel_checks, ddp_controls, ddp_run, replicate_checks
+from labbook.toys.ch07_ep_groups import broadcast_checks, lab_fmoe_check, moe_ep_groups
+from labbook.toys.ch07_fsdp import FSDP_CASES, fsdp_vs_ddp
+from labbook.toys.ch07_moe import TinyMoE, moe_checks
 from labutils import launch
 from labutils.data_parallel import (
     GroupedDataParallel,

@@ -2,16 +2,9 @@
 import pytest
 import torch
 
-from labutils.ds.gating import (
-    Routing,
-    ds_capacity,
-    exact_capacity,
-    moe_output,
-    routing_from_deepspeed,
-    top1_routing,
-    top2_routing,
-    topk_routing,
-)
+from labutils.ds.gating import Routing, moe_output, routing_from_deepspeed, top1_routing, top2_routing, topk_routing
+from labutils.moe.capacity import deepspeed_capacity as ds_capacity
+from labutils.moe.capacity import exact_capacity
 
 FIELDS = ("indices", "locations", "weights", "exp_counts", "l_aux")
 
@@ -120,7 +113,8 @@ def test_one_capacity_formula_matches_a_real_topkgate(sm, k):
     """THE capacity formula (labutils.moe.capacity.deepspeed_capacity, ds.gating's ds_capacity) and every helper
     that calls it, against the capacity a real TopKGate reports, at the factors where float32 rounding matters
     and odd token counts."""
-    from labutils.moe.traffic import deepspeed_bytes, deepspeed_capacity
+    from labutils.moe.capacity import deepspeed_capacity
+    from labutils.moe.traffic import deepspeed_bytes
 
     torch.manual_seed(0)
     checked = 0
@@ -138,14 +132,15 @@ def test_one_capacity_formula_matches_a_real_topkgate(sm, k):
 
 def test_capacity_helpers_have_one_source():
     """The negative control of the test above: the old traffic helper used exact arithmetic and gave 30 here.
-    There is one function: the DeepSpeed wing and the traffic helpers import the core's."""
+    There is one function, at one address: the DeepSpeed wing and the traffic helpers call the core's."""
+    from labutils.ds import gating
     from labutils.moe import capacity, traffic
 
-    assert traffic.deepspeed_capacity is capacity.deepspeed_capacity is ds_capacity
-    assert traffic.deepspeed_dropless_capacity is capacity.deepspeed_dropless_capacity
-    assert capacity.exact_capacity is exact_capacity
+    assert vars(traffic)["deepspeed_capacity"] is vars(gating)["ds_capacity"] is ds_capacity
+    assert vars(gating)["deepspeed_dropless_capacity"] is capacity.deepspeed_dropless_capacity
+    assert "deepspeed_capacity" not in traffic.__all__ and "ds_capacity" not in gating.__all__
     assert exact_capacity(100, 4, 1.2, 1) == 30
-    assert traffic.deepspeed_capacity(100, 4, 1.2, min_capacity=0) == ds_capacity(100, 4, 1.2, 1) == 31
+    assert ds_capacity(100, 4, 1.2, min_capacity=0) == ds_capacity(100, 4, 1.2, 1) == 31
     # one default: no floor (the bare _capacity formula); the MoE layer's floor of 4 is passed explicitly
     assert ds_capacity(2, 4, 1.0) == 1 and ds_capacity(2, 4, 1.0, min_capacity=4) == 4
 

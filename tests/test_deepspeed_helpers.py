@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from labbook.toys import capacity_pitfall, ep_parity
+from labbook.toys.ch02_deepspeed import capacity_pitfall, ep_parity
 from labutils.launcher import WorkerError, launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

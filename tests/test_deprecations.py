@@ -5,12 +5,21 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
+import re
 import warnings
 
 import pytest
 
 import labutils
-from labutils._deprecate import DEPRECATED, LabDeprecationWarning, _target, _version, deprecated, lookup
+from labutils._deprecate import (
+    DEPRECATED,
+    LabDeprecationWarning,
+    _target,
+    _version,
+    deprecated,
+    forward_moved,
+    lookup,
+)
 
 PKG = pathlib.Path(labutils.__file__).parent
 
@@ -32,7 +41,7 @@ def _resolve(path: str):
 
 def test_every_entry_has_versions_and_a_new_home():
     for old, shim in DEPRECATED.items():
-        assert shim.kind in ("module", "name", "call"), old
+        assert shim.kind in ("module", "name", "call", "moved"), old
         assert _version(shim.removed_in, "removed_in") > _version(shim.since, "since"), old
         for new in shim.new:
             assert _resolve(new) is not None, f"{old}: its new home {new} does not exist"
@@ -42,7 +51,9 @@ def test_every_entry_has_versions_and_a_new_home():
 def test_moved_module_forwards_with_the_labs_warning(old):
     shim = DEPRECATED[old]
     new = importlib.import_module(_target(shim.new[0]))
-    names = [n for n in sorted(vars(new)) if not n.startswith("_") and not isinstance(vars(new)[n], type(pathlib))]
+    rel = new.__name__.removeprefix("labutils.")
+    names = [n for n in sorted(vars(new)) if not n.startswith("_") and not isinstance(vars(new)[n], type(pathlib))
+             and f"{rel}.{n}" not in DEPRECATED]  # a name it only imports has its own row (moved)
     if not names:  # a moved package with no names of its own (perf): each of its modules has a row, tested alone
         assert any(path.startswith(f"{old}.") for path in DEPRECATED), f"{old}: {new.__name__} has nothing to forward"
         return
@@ -54,20 +65,26 @@ def test_moved_module_forwards_with_the_labs_warning(old):
 
 def test_a_moved_package_keeps_its_path_and_each_module_path():
     """``labutils.perf`` moved to ``labbook.perf`` in 0.3.0 (issue 39): no file is left at the old path, every module
-    of the new package has a row, and the old package path and each old module path still import; a name used
+    it had then has a row, and the old package path and each old module path still import; a name used
     through them is the new module's, with the lab's warning naming the new path."""
     import labbook.perf.dispatch as dispatch
+    import labbook.perf.problem as problem
     import labbook.perf.sweep as sweep
     import labbook.perf.timing as timing
 
     assert not (PKG / "perf").exists()
     moved = {old.removeprefix("perf.") for old, shim in DEPRECATED.items()
              if old.startswith("perf.") and shim.kind == "module"}
-    assert moved == {p.stem for p in (PKG.parent / "labbook" / "perf").glob("*.py")} - {"__init__"}
+    # the modules labutils.perf had when it moved (a module added to labbook.perf later never had an old path)
+    assert moved == {"timing", "problem", "dispatch", "real_layers", "sweep", "breakdown", "layer_bench", "verdicts"}
+    assert moved <= {p.stem for p in (PKG.parent / "labbook" / "perf").glob("*.py")}
     assert all(DEPRECATED[f"perf.{m}"].new == (f"labbook.perf.{m}",) for m in moved)
     moved_to = r"labutils\.perf\.dispatch moved to labbook\.perf\.dispatch in labutils 0\.3\.0 .*1\.0\.0"
     with pytest.warns(LabDeprecationWarning, match=moved_to):
-        assert importlib.import_module("labutils.perf.dispatch").make_problem is dispatch.make_problem
+        assert importlib.import_module("labutils.perf.dispatch").loop_moe is dispatch.loop_moe
+    # a name the new module only re-exported (issue 39: one address per name) goes straight to its one address
+    with pytest.warns(LabDeprecationWarning, match=moved_to + r".*use labbook\.perf\.problem\.make_problem"):
+        assert importlib.import_module("labutils.perf.dispatch").make_problem is problem.make_problem
     with pytest.warns(LabDeprecationWarning, match=r"use labbook\.perf\.timing\.machine_info"):
         from labutils.perf.timing import machine_info
     assert machine_info is timing.machine_info
@@ -83,6 +100,75 @@ def test_a_moved_package_keeps_its_path_and_each_module_path():
         importlib.import_module("labutils.perf.not_a_module")
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         _ = perf.not_a_name
+
+
+MOVED = sorted(k for k, s in DEPRECATED.items() if s.kind == "moved")
+
+
+@pytest.mark.parametrize("old", MOVED)
+def test_a_second_address_forwards_to_the_one_address(old):
+    """Issue 39, one address per name: ``old_module.name`` (a re-export) is no longer declared there (not in its
+    ``__all__``) and reading it warns, naming the one address and the removal version, and gives the very object."""
+    shim = DEPRECATED[old]
+    module_name, _, name = _target(old).rpartition(".")
+    module = importlib.import_module(module_name)
+    new = _resolve(shim.new[0])
+    assert name not in getattr(module, "__all__", ()), f"{module_name}.__all__ still declares {name}"
+    assert _resolve(shim.new[0].rpartition(".")[0]).__name__ != module_name, f"{old} forwards to itself"
+    with pytest.warns(LabDeprecationWarning, match=rf"^{re.escape(_target(old))} is deprecated since labutils "
+                                                   rf"{shim.since} and will be removed in {shim.removed_in}; "
+                                                   rf"use {re.escape(_target(shim.new[0]))}"):
+        value = getattr(module, name)
+    assert value is new
+
+
+def test_a_second_address_forwards_through_from_import_and_an_old_module_path():
+    """``from old import name`` warns too (the hubs ``labbook.toys`` / ``labbook.lm_study`` hold no names of their
+    own now), a name a module uses itself stays in its globals without a warning, and a 0.1.0 module path
+    (``labutils.launch``, moved to ``launcher``) goes straight to the one address with one warning."""
+    import labbook.toys.ch07_ddp as ddp
+    import labutils.checkpoint as checkpoint
+    import labutils.launcher.backend as backend
+    import labutils.train as train
+
+    with pytest.warns(LabDeprecationWarning, match=r"labbook\.toys\.ddp_run .*use labbook\.toys\.ch07_ddp\.ddp_run"):
+        from labbook.toys import ddp_run
+    assert ddp_run is ddp.ddp_run
+    assert vars(train)["restore"] is checkpoint.restore  # train's own import, read directly by its functions
+    with pytest.warns(LabDeprecationWarning, match=r"use labutils\.checkpoint\.restore"):
+        assert train.restore is checkpoint.restore
+    with pytest.warns(LabDeprecationWarning) as record:
+        assert importlib.import_module("labutils.launch").default_backend is backend.default_backend
+    assert len(record) == 1 and "use labutils.launcher.backend.default_backend" in str(record[0].message)
+    with pytest.raises(AttributeError):
+        _ = importlib.import_module("labbook.toys").not_a_toy
+    with pytest.raises(ValueError, match="no name of it is a 'moved' row"):
+        forward_moved("labutils.params")
+
+
+def test_a_forwarding_module_pickles_by_reference():
+    """A notebook function that uses a forwarding module (``collectives``, ``train``) ships to launch's workers:
+    cloudpickle sends the module by name, as it sends a plain module."""
+    import pickle
+
+    import cloudpickle
+
+    import labutils.collectives as collectives
+
+    def cell_function():
+        return collectives.all_to_all
+
+    assert type(collectives).__name__ == "_Forwarding"
+    assert pickle.loads(cloudpickle.dumps(cell_function))() is collectives.all_to_all
+    assert pickle.loads(pickle.dumps(collectives)) is collectives
+
+
+def test_every_moved_row_has_a_forwarding_module():
+    """Each module with a ``"moved"`` row calls ``forward_moved`` (its class says so once imported)."""
+    modules = {_target(old).rpartition(".")[0] for old in MOVED}
+    assert {"labbook.toys", "labbook.lm_study", "labutils.train"} <= modules
+    for name in sorted(modules):
+        assert type(importlib.import_module(name)).__name__ == "_Forwarding", f"{name} does not call forward_moved"
 
 
 @pytest.mark.parametrize("old", sorted(k for k, s in DEPRECATED.items() if s.kind == "name"))

@@ -8,17 +8,9 @@ import torch
 from torch import nn
 
 from labbook.perf.breakdown import PHASES, core_breakdown
-from labbook.perf.dispatch import (
-    DESIGNS,
-    DeepSpeedMoE,
-    build_designs,
-    dense,
-    einsum,
-    fwd_bwd,
-    make_problem,
-    route,
-    separate,
-)
+from labbook.perf.dispatch import DESIGNS, build_designs, dense, einsum, separate
+from labbook.perf.problem import fwd_bwd, make_problem, route
+from labbook.perf.real_layers import DeepSpeedMoE
 from labbook.perf.sweep import measure_point
 from labbook.perf.timing import peak_memory
 from labutils.compare import compare_tensors
@@ -210,7 +202,7 @@ def test_latency_bandwidth_fit_recovers_a_known_line_and_says_when_it_does_not_f
 
 def test_core_reports_the_kept_share_its_routing_gives():
     """The core's kept count comes from the routing it used (a gate that drops shows fewer), not a constant."""
-    from labbook.perf.dispatch import core
+    from labbook.perf.real_layers import core
 
     p = make_problem(tokens=16, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     assert core(p).kept == 32
@@ -231,7 +223,7 @@ def test_timed_core_owns_its_parameters_and_matches_the_fed_core():
     """CoreMoE (the timed design) holds per-expert parameters copied from the problem, as a user's layer does:
     same output and gradients as feeding the problem's tensors (core), its gradients land in its own
     parameters, not in the problem's (negative control: after its step the problem's weights have no grad)."""
-    from labbook.perf.dispatch import CoreMoE, core
+    from labbook.perf.real_layers import CoreMoE, core
 
     p = make_problem(tokens=40, d_model=8, d_hidden=12, num_expert=5, top_k=2, seed=4, limits=False)
     timed = CoreMoE(p)

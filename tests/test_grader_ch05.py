@@ -1,5 +1,5 @@
 """Red team for chapter 05's exercises (balance_entropy, my_steps_to_reach) on the grader: the book's solution and
-honest variants pass; the library (lm_study.steps_to_reach, train_modern.balance_stats), the renamed coursework
+honest variants pass; the library (lm_study.summary.steps_to_reach, train_modern.balance_stats), the renamed coursework
 copy, pasted library or checker code, a lookup table of the visible cases, the notebook's globals, a mutated input
 and the chapter's likely wrong answers fail, each naming the rule it broke where one applies."""
 import re
@@ -7,8 +7,9 @@ import re
 import pytest
 from redteam import fails, only_hidden_wrong, passes, pasted, renamed_copy, solution, with_body, wrong
 
-from labbook import lm_study, train_modern
+from labbook import train_modern
 from labbook.checkers import ch05
+from labbook.lm_study import summary
 
 ENTROPY, REACH = "balance_entropy", "my_steps_to_reach"
 
@@ -126,8 +127,8 @@ def test_my_steps_to_reach_honest_variants_pass(src):
 
 
 @pytest.mark.parametrize("head, body, rule", [
-    ("from labbook.lm_study import steps_to_reach", "    return steps_to_reach(*args)", "import"),
-    ("from labbook import lm_study", "    return lm_study.steps_to_reach(*args)", "import"),
+    ("from labbook.lm_study.summary import steps_to_reach", "    return steps_to_reach(*args)", "import"),
+    ("from labbook import lm_study", "    return lm_study.summary.steps_to_reach(*args)", "import"),
     ("import labbook.lm_study.summary as s", "    return s.steps_to_reach(*args)", "import"),
     ("", "    for run in record['runs']:\n        if run['val'] == list(args[1]):\n"
          "            return run['val_steps'][-1] / summary['speedup']['values'][0]", "cell-alone"),
@@ -181,17 +182,17 @@ def test_a_lookup_table_of_the_visible_cases_fails_on_hidden_cases(name):
 @pytest.mark.parametrize("name, fn, call", [
     (ENTROPY, train_modern.balance_stats, "balance_stats(args[0].sum(0))[1]"),
     (ENTROPY, ch05._entropy_reference, "_entropy_reference(*args)"),
-    (REACH, lm_study.steps_to_reach, "steps_to_reach(*args)"),
+    (REACH, summary.steps_to_reach, "steps_to_reach(*args)"),
     (REACH, ch05._reach_reference, "(lambda r: r[1] if r[0] else None)(_reach_reference(*args))"),
-    (REACH, lm_study.loss_at, "loss_at(list(reversed(args[1])), list(reversed(args[0])), args[2])"),
-], ids=["train_modern.balance_stats", "entropy-checker-reference", "lm_study.steps_to_reach",
+    (REACH, summary.loss_at, "loss_at(list(reversed(args[1])), list(reversed(args[0])), args[2])"),
+], ids=["train_modern.balance_stats", "entropy-checker-reference", "lm_study.summary.steps_to_reach",
         "reach-checker-reference", "sibling-loss_at"])
 def test_pasted_library_and_checker_code_is_identity(name, fn, call):
     fails(name, pasted(fn, name, call), "identity")
 
 
 def test_pasted_library_code_with_every_name_changed_is_still_identity():
-    src = pasted(lm_study.steps_to_reach, REACH, "reach(*args)")
+    src = pasted(summary.steps_to_reach, REACH, "reach(*args)")
     for old, new in (("steps_to_reach", "reach"), ("prev_s", "a"), ("prev_v", "b"), ("losses", "ys"),
                      ("steps", "xs"), ("target", "goal")):
         src = re.sub(rf"\b{old}\b", new, src)

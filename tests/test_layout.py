@@ -4,7 +4,9 @@
   foundation < MoE core < its wings (the fastmoe face, the modern wing) < DeepSpeed wing < models/training;
   ``labutils`` never imports ``labbook`` (the book's machinery, chapter 08's ``perf`` included, which may import
   anything of ``labutils``).
-* No public name is defined twice under ``labutils/`` (the fastmoe face's fastmoe-named adapters excepted).
+* No public name is defined twice under ``labutils/`` (the fastmoe face's fastmoe-named adapters excepted), and no
+  public module of either package declares (``__all__``, a ``# noqa: F401`` re-export) a name another defines: one
+  address per name (issue 39), the faces excepted (``labutils.moe``, ``labutils.ds``, fastmoe's names on its face).
 * No module over 300 lines and no class over 150, in ``labutils`` and ``labbook``; ``labutils`` smaller than the
   9,222 lines it had when the issue was filed.
 * Each coursework copy of ``tools/coursework_copies.py`` (helper, + MoE core, + DeepSpeed wing), copied alone into an
@@ -142,6 +144,68 @@ def test_the_duplicate_name_check_catches_a_second_definition():
     assert duplicated_names(face_and_two) == face_and_two  # the allow-list covers the face's one adapter only
 
 
+# The faces: a wing's package naming its public API (``labutils.moe``, as fastmoe's ``fmoe`` does; ``labutils.ds``)
+# and fastmoe's own names on the fastmoe face. Every other name is imported from the module that defines it.
+FACES = {"labutils/moe/__init__.py", "labutils/ds/__init__.py"}
+FACE_REEXPORTS = {"Slice", "mark_module_parallel_comm"}  # fmoe.functions' / fmoe.layers' names, on FACE
+
+
+def second_addresses(paths, root=ROOT) -> list:
+    """``module.name -> defining module`` for each name a public module declares (in ``__all__``, or imported with
+    ``# noqa: F401``) while another public module of the packages defines it: a second address."""
+    public = {_module_at(p, root) for p in paths if not any(part.startswith("_") for part in
+                                                             _module_at(p, root).split("."))}
+    found = []
+    for path in paths:
+        name, rel = _module_at(path, root), str(path.relative_to(root))
+        if name not in public or rel in FACES:
+            continue
+        text = path.read_text()
+        tree, lines = ast.parse(text), text.splitlines()
+        declared = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                declared |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in tree.body:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level else ""
+            source = ".".join(p for p in (base, node.module) if p)
+            noqa = "noqa: F401" in "\n".join(lines[node.lineno - 1:node.end_lineno])
+            for alias in node.names:
+                shown = alias.asname or alias.name
+                if (source not in public or f"{source}.{alias.name}" in public or shown.startswith("_")
+                        or (rel == FACE and shown in FACE_NAMES | FACE_REEXPORTS)):
+                    continue
+                if noqa or shown in declared:
+                    found.append(f"{name}.{shown} -> {source}.{alias.name}")
+    return sorted(found)
+
+
+def _module_at(path: pathlib.Path, root: pathlib.Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def test_every_public_name_has_one_address():
+    twice = second_addresses(_files("labutils") + _files("labbook"))
+    assert not twice, ("names declared again by a module that does not define them (import each from its module; a "
+                       "0.x address goes through labutils._deprecate's table):\n" + "\n".join(twice))
+
+
+def test_the_one_address_check_catches_a_re_export(tmp_path):
+    pkg = tmp_path / "labbook" / "hub"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from labbook.hub.part import work  # noqa: F401\n")
+    (pkg / "part.py").write_text("def work():\n    pass\n")
+    (pkg / "other.py").write_text("from .part import work\n\n__all__ = ['work']\n")
+    (pkg / "user.py").write_text("from .part import work\n\n\ndef run():\n    return work()\n")  # a use
+    paths = sorted(pkg.glob("*.py"))
+    assert second_addresses(paths, root=tmp_path) == ["labbook.hub.other.work -> labbook.hub.part.work",
+                                                      "labbook.hub.work -> labbook.hub.part.work"]
+
+
 def oversized(paths, root=ROOT) -> list:
     big = []
     for path in paths:
@@ -211,10 +275,11 @@ SMOKE = {
     "deepspeed": """
         import torch
         from labutils.ds import gating
+        from labutils.moe.capacity import deepspeed_capacity
         from deepspeed.moe.sharded_moe import _capacity
         for tokens, e, cf in ((25, 2, 1.2), (100, 4, 1.0), (7, 3, 0.5)):
             gates = torch.zeros(tokens, e)
-            ours = gating.ds_capacity(tokens, e, cf, min_capacity=0)
+            ours = deepspeed_capacity(tokens, e, cf, min_capacity=0)
             want = int(_capacity(gates, torch.tensor(cf), torch.tensor(0)))
             assert ours == want, (tokens, e, cf, ours, want)
         print("deepspeed ok")

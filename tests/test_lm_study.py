@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from labbook import lm_study
+from labbook.lm_study import config, data_checks, runner, summary
 from labutils.data import VOCAB, is_validation_file, stdlib_file_corpus, stdlib_sources
 from labutils.moe.gates import collect_aux_loss
 
-TINY = dataclasses.replace(lm_study.PRESETS["tiny"], steps=6, eval_every=3, val_tokens=2048, ablations=("top-1",))
+TINY = dataclasses.replace(config.PRESETS["tiny"], steps=6, eval_every=3, val_tokens=2048, ablations=("top-1",))
 
 
 def test_split_is_by_whole_file_and_stable(tmp_path):
@@ -38,21 +38,21 @@ def test_a_split_with_an_empty_side_is_refused(tmp_path):
 
 
 def test_moe_and_dense_have_equal_active_width_and_flops():
-    cfg = lm_study.PRESETS["full"]
-    v = lm_study.variants(cfg)
+    cfg = config.PRESETS["full"]
+    v = config.variants(cfg)
     assert v["MoE"].hidden * v["MoE"].top_k == v["dense"].hidden == v["top-1"].hidden
     assert v["dense-wide"].hidden == v["MoE"].hidden * v["MoE"].experts
-    dense, moe = (lm_study.train_flops_per_token(cfg, v[n], 96) for n in ("dense", "MoE"))
+    dense, moe = (config.train_flops_per_token(cfg, v[n], 96) for n in ("dense", "MoE"))
     assert 1 < moe / dense < 1.03                           # the router only
     with pytest.raises(ValueError, match="unknown ablation"):
-        lm_study.variants(dataclasses.replace(cfg, ablations=("top-3",)))
+        config.variants(dataclasses.replace(cfg, ablations=("top-3",)))
 
 
 def test_steps_to_reach_interpolates_and_says_never():
-    assert lm_study.steps_to_reach([100, 200, 300], [3.0, 2.0, 1.0], 1.5) == 250
-    assert lm_study.steps_to_reach([100, 200], [1.0, 0.5], 2.0) == 100
-    assert lm_study.steps_to_reach([100, 200], [3.0, 2.0], 1.0) is None
-    assert lm_study.steps_to_reach([1, 2, 3], [3.0, 1.0, 2.0], 1.5) == pytest.approx(1.75)
+    assert summary.steps_to_reach([100, 200, 300], [3.0, 2.0, 1.0], 1.5) == 250
+    assert summary.steps_to_reach([100, 200], [1.0, 0.5], 2.0) == 100
+    assert summary.steps_to_reach([100, 200], [3.0, 2.0], 1.0) is None
+    assert summary.steps_to_reach([1, 2, 3], [3.0, 1.0, 2.0], 1.5) == pytest.approx(1.75)
 
 
 def fake_record(finals: dict, steps=(100, 200), name="test") -> dict:
@@ -62,7 +62,7 @@ def fake_record(finals: dict, steps=(100, 200), name="test") -> dict:
 
 
 def test_summarize_tests_every_pair_and_the_speedup_interval():
-    win = lm_study.summarize(fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.8, 1.81, 1.79],
+    win = summary.summarize(fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.8, 1.81, 1.79],
                                           "dense-wide": [1.7, 1.71, 1.69]}))
     assert win["moe_vs_dense"].verdict == "ahead" and win["moe_vs_dense"].diff == pytest.approx(-0.2)
     assert win["wide_vs_dense"].verdict == "ahead" and win["moe_vs_wide"].verdict == "behind"
@@ -71,24 +71,24 @@ def test_summarize_tests_every_pair_and_the_speedup_interval():
     # each pair: dense seed i's final loss, reached by MoE seed j on its straight line from 2.8 to 1.8
     want = [200 / (100 + 100 * (2.8 + 0.01 * j - d) / 1.0) for d in (2.0, 2.01, 1.99) for j in (0, 1, -1)]
     assert sorted(sp["values"]) == pytest.approx(sorted(want))
-    lines = "\n".join(lm_study.verdict_lines(win))
+    lines = "\n".join(summary.verdict_lines(win))
     assert "MoE is ahead of dense" in lines and "preset test" in lines and "NOT met" in lines  # 1.11 < 1.3
-    assert "met (the interval's lower bound clears it)" in "\n".join(lm_study.verdict_lines(win, 1.05))
+    assert "met (the interval's lower bound clears it)" in "\n".join(summary.verdict_lines(win, 1.05))
 
 
 def test_two_seeds_are_inconclusive_whatever_the_means_and_never_meet_a_target():
-    two = lm_study.summarize(fake_record({"dense": [2.0, 2.01], "MoE": [1.5, 1.51], "dense-wide": [1.4, 1.41]}))
+    two = summary.summarize(fake_record({"dense": [2.0, 2.01], "MoE": [1.5, 1.51], "dense-wide": [1.4, 1.41]}))
     assert two["moe_vs_dense"].verdict == two["wide_vs_dense"].verdict == "inconclusive"
-    assert not lm_study.target_met(two["speedup"], 1.0)     # 4 pairs: fewer than 3 seeds per arm
-    lopsided = lm_study.summarize(fake_record({"dense": [2.0, 2.01, 1.99, 2.0, 2.01], "MoE": [1.5, 1.51],
+    assert not summary.target_met(two["speedup"], 1.0)     # 4 pairs: fewer than 3 seeds per arm
+    lopsided = summary.summarize(fake_record({"dense": [2.0, 2.01, 1.99, 2.0, 2.01], "MoE": [1.5, 1.51],
                                                "dense-wide": [1.4, 1.41, 1.39]}))
-    assert lopsided["speedup"]["pairs"] == 10 and not lm_study.target_met(lopsided["speedup"], 1.0)  # MoE: 2
-    lines = "\n".join(lm_study.verdict_lines(two))
+    assert lopsided["speedup"]["pairs"] == 10 and not summary.target_met(lopsided["speedup"], 1.0)  # MoE: 2
+    lines = "\n".join(summary.verdict_lines(two))
     assert "inconclusive (fewer than 3 seeds in an arm)" in lines and "NOT shown" in lines
     # negative control: the same gaps with 3 seeds per arm do clear
-    three = lm_study.summarize(fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.5, 1.51, 1.49],
+    three = summary.summarize(fake_record({"dense": [2.0, 2.01, 1.99], "MoE": [1.5, 1.51, 1.49],
                                             "dense-wide": [1.4, 1.41, 1.39]}))
-    assert three["moe_vs_dense"].verdict == "ahead" and lm_study.target_met(three["speedup"], 1.0)
+    assert three["moe_vs_dense"].verdict == "ahead" and summary.target_met(three["speedup"], 1.0)
 
 
 def test_equal_time_compares_every_run_at_the_shortest_training_time():
@@ -97,7 +97,7 @@ def test_equal_time_compares_every_run_at_the_shortest_training_time():
     for r in record["runs"]:
         r["val"] = [r["val"][0], (r["val"][0] + r["val"][1]) / 2, r["val"][1]]
         r["train_seconds"] = [1.0, 2.0, 3.0] if r["name"] != "MoE" else [2.0, 4.0, 6.0]  # MoE twice as slow
-    eq = lm_study.summarize(record)["equal_time"]
+    eq = summary.summarize(record)["equal_time"]
     assert eq["seconds"] == 3.0 and eq["unreached"] == 0
     # at 3 s dense is at its end (2.0); MoE is halfway between its first two evaluations: 2.9 - 0.25 = 2.65
     assert eq["comparison"].mean_a == pytest.approx(2.65) and eq["comparison"].mean_b == pytest.approx(2.0)
@@ -107,36 +107,36 @@ def test_equal_time_compares_every_run_at_the_shortest_training_time():
 def test_ablations_are_tested_against_the_moe_mean():
     record = fake_record({"dense": [2.0, 2.0, 2.0], "MoE": [1.80, 1.82, 1.81], "dense-wide": [1.7, 1.7, 1.7],
                           "top-1": [1.90, 1.91, 1.92], "E=4": [1.81]})
-    comp = lm_study.ablation_comparisons(record)
+    comp = summary.ablation_comparisons(record)
     assert comp["top-1"].verdict == "behind" and comp["top-1"].n_a == 3
     assert comp["E=4"].verdict == "inconclusive" and comp["E=4"].n_a == 1   # one seed cannot be tested
-    lines = lm_study.ablation_lines(record)
+    lines = summary.ablation_lines(record)
     assert lines[0].startswith("top-1 is behind MoE") and "inconclusive" in lines[1]
 
 
 def test_flops_counted_by_torch_equal_the_analytic_count_for_every_variant():
-    cfg = dataclasses.replace(lm_study.PRESETS["tiny"], batch=2, ablations=lm_study.ABLATIONS)
-    for name, v in lm_study.variants(cfg).items():
-        measured, analytic = lm_study.measured_train_flops(cfg, v, 96), lm_study.train_flops_per_token(cfg, v, 96) * 64
+    cfg = dataclasses.replace(config.PRESETS["tiny"], batch=2, ablations=config.ABLATIONS)
+    for name, v in config.variants(cfg).items():
+        measured, analytic = config.measured_train_flops(cfg, v, 96), config.train_flops_per_token(cfg, v, 96) * 64
         if v.gate == "switch":   # tokens over capacity skip the experts: fewer FLOPs, never more
             assert 0.8 * analytic < measured <= analytic, name
         else:
             assert measured == analytic, name
     # negative control: the count of a variant with one router matmul fewer does not match the NoisyGate model
-    moe = lm_study.variants(cfg)["MoE"]
+    moe = config.variants(cfg)["MoE"]
     wrong = dataclasses.replace(moe, gate="switch")
-    assert lm_study.measured_train_flops(cfg, moe, 96) != lm_study.train_flops_per_token(cfg, wrong, 96) * 64
+    assert config.measured_train_flops(cfg, moe, 96) != config.train_flops_per_token(cfg, wrong, 96) * 64
 
 
 def test_shared_windows_finds_a_leaked_file_and_not_a_clean_split():
     g = torch.Generator().manual_seed(0)
     train, val = torch.randint(96, (20_000,), generator=g), torch.randint(96, (3_000,), generator=g)
-    assert not lm_study.shared_windows(train, val, 32).any()                     # random text shares nothing
+    assert not data_checks.shared_windows(train, val, 32).any()                     # random text shares nothing
     leaked = torch.cat([train[:5000], val[1000:2000], train[5000:]])          # a piece of validation in training
-    covered = lm_study.shared_windows(leaked, val, 32)
+    covered = data_checks.shared_windows(leaked, val, 32)
     assert covered[1000:2000].all() and not covered[:1000].any() and not covered[2000:].any()
     with pytest.raises(ValueError, match="width=64"):
-        lm_study.shared_windows(train, val[:10], 64)
+        data_checks.shared_windows(train, val[:10], 64)
 
 
 def test_file_coverage_names_the_validation_file_copied_from_training(tmp_path):
@@ -149,16 +149,16 @@ def test_file_coverage_names_the_validation_file_copied_from_training(tmp_path):
                   and any(is_validation_file(f, n) for f in texts if not f.startswith("twin")))
     corpus = stdlib_file_corpus(one_in, root=str(tmp_path))
     val_files = [f for f in sorted(texts) if is_validation_file(f, one_in)]
-    cov = lm_study.file_coverage(corpus, lm_study.shared_windows(corpus.train, corpus.val, 16), val_files)
+    cov = data_checks.file_coverage(corpus, data_checks.shared_windows(corpus.train, corpus.val, 16), val_files)
     twin = next(f for f in val_files if f.startswith("twin"))
     assert cov[twin][1] > 0.8 and all(v < 0.5 for f, (_, v) in cov.items() if f != twin)
     with pytest.raises(ValueError, match="not in the validation text"):
-        lm_study.file_coverage(corpus, torch.zeros(len(corpus.val), dtype=torch.bool), ["nowhere.py"])
+        data_checks.file_coverage(corpus, torch.zeros(len(corpus.val), dtype=torch.bool), ["nowhere.py"])
 
 
 def test_window_coverage_replays_the_run_and_matches_the_poisson_share():
-    cfg = dataclasses.replace(lm_study.PRESETS["tiny"], steps=400, batch=16, block=32)
-    cov = lm_study.window_coverage(cfg, 200_000, seed=0)                         # ~1.0 epoch
+    cfg = dataclasses.replace(config.PRESETS["tiny"], steps=400, batch=16, block=32)
+    cov = data_checks.window_coverage(cfg, 200_000, seed=0)                         # ~1.0 epoch
     assert cov["epochs"] == pytest.approx(400 * 16 * 32 / 200_000)
     assert cov["twice_share"] == pytest.approx(cov["poisson_twice_share"], abs=0.02)
     assert 0.3 < cov["twice_share"] < 0.5
@@ -166,7 +166,7 @@ def test_window_coverage_replays_the_run_and_matches_the_poisson_share():
 
 def test_the_training_clock_leaves_evaluations_out():
     now = [0.0]
-    clock = lm_study.TrainClock(lambda: now[0])
+    clock = runner.TrainClock(lambda: now[0])
     now[0] = 5.0                       # 5 s of training
     clock.eval_start()
     now[0] = 105.0                     # a 100 s evaluation
@@ -174,11 +174,11 @@ def test_the_training_clock_leaves_evaluations_out():
     now[0] = 108.0                     # 3 s more training
     assert clock.eval_start() == 8.0 and clock.eval_seconds == 100.0
     with pytest.raises(RuntimeError, match="without eval_start"):
-        lm_study.TrainClock().eval_end()
+        runner.TrainClock().eval_end()
 
 
 def test_a_run_leaves_its_evaluations_off_the_training_clock(monkeypatch):
-    real = lm_study.heldout_loss
+    real = runner.heldout_loss
 
     def slow(*args, **kwargs):                 # every evaluation burns at least 1 s of CPU
         t = time.process_time()
@@ -186,23 +186,23 @@ def test_a_run_leaves_its_evaluations_off_the_training_clock(monkeypatch):
             pass
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lm_study.runner, "heldout_loss", slow)  # the runner's own name, which run_one calls
-    run = lm_study.run_one(TINY, "dense", 0)   # 6 steps, evaluations after steps 3 and 6
+    monkeypatch.setattr(runner, "heldout_loss", slow)  # the runner's own name, which run_one calls
+    run = runner.run_one(TINY, "dense", 0)   # 6 steps, evaluations after steps 3 and 6
     assert run["clock"] == "process_time" and run["eval_seconds"] >= 2.0
     assert run["train_seconds"][1] - run["train_seconds"][0] < 1.0   # 3 tiny steps; with the evaluation >= 1 s
 
 
 def test_the_training_clock_charges_cpu_seconds_not_waiting():
-    clock = lm_study.TrainClock()              # default: the process's CPU time
+    clock = runner.TrainClock()              # default: the process's CPU time
     time.sleep(0.5)                            # waiting for a core shared with another run
     assert clock.eval_start() < 0.2
 
 
 def test_the_switch_gate_top1_router_gets_a_task_gradient():
-    cfg = lm_study.PRESETS["tiny"]
+    cfg = config.PRESETS["tiny"]
     grads = {}
     for name in ("top-1", "top-1 Switch"):
-        layer = lm_study.variants(dataclasses.replace(cfg, ablations=("top-1", "top-1 Switch")))[name].ffn(32)
+        layer = config.variants(dataclasses.replace(cfg, ablations=("top-1", "top-1 Switch")))[name].ffn(32)
         torch.manual_seed(0)
         layer(torch.randn(64, 32)).pow(2).sum().backward()
         grads[name] = max(p.grad.abs().max().item() for p in layer.gate.parameters())
@@ -210,23 +210,23 @@ def test_the_switch_gate_top1_router_gets_a_task_gradient():
 
 
 def test_data_limited_control_trains_on_a_slice():
-    cfg = lm_study.data_limited(lm_study.PRESETS["full"])
-    assert cfg.train_chars == 1_000_000 and cfg.ablations == () and 4 < lm_study.epochs(cfg, cfg.train_chars) < 4.2
+    cfg = config.data_limited(config.PRESETS["full"])
+    assert cfg.train_chars == 1_000_000 and cfg.ablations == () and 4 < config.epochs(cfg, cfg.train_chars) < 4.2
     with pytest.raises(ValueError, match="train_chars=10 must exceed block"):
-        lm_study.run_study(dataclasses.replace(TINY, train_chars=10))
+        runner.run_study(dataclasses.replace(TINY, train_chars=10))
 
 
 def test_bad_input_is_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="need at least block"):
-        lm_study.heldout_loss(torch.nn.Identity(), torch.arange(10), block=64)
+        runner.heldout_loss(torch.nn.Identity(), torch.arange(10), block=64)
     with pytest.raises(ValueError, match="jobs >= 1"):
-        lm_study.run_study(TINY, jobs=0)
+        runner.run_study(TINY, jobs=0)
     with pytest.raises(ValueError, match="at least one seed"):
-        lm_study.run_study(dataclasses.replace(TINY, seeds=()))
+        runner.run_study(dataclasses.replace(TINY, seeds=()))
     with pytest.raises(ValueError, match="unknown ablation"):
-        lm_study.run_study(dataclasses.replace(TINY, ablations=("top-9",)))
+        runner.run_study(dataclasses.replace(TINY, ablations=("top-9",)))
     with pytest.raises(ValueError, match=r"no run of \['dense-wide'\]"):
-        lm_study.summarize(fake_record({"dense": [2.0, 2.0], "MoE": [1.9, 1.9]}))
+        summary.summarize(fake_record({"dense": [2.0, 2.0], "MoE": [1.9, 1.9]}))
 
 
 def test_both_studies_share_one_preset_type_read_as_attributes_and_as_a_mapping(monkeypatch):
@@ -234,7 +234,7 @@ def test_both_studies_share_one_preset_type_read_as_attributes_and_as_a_mapping(
     from labutils import select_preset
 
     monkeypatch.delenv("LAB_PRESET", raising=False)
-    for presets in (lm_study.PRESETS, train_modern.PRESETS):
+    for presets in (config.PRESETS, train_modern.PRESETS):
         assert set(presets) == {"tiny", "full"}
         for name, cfg in presets.items():
             assert isinstance(cfg, study.StudyPreset) and cfg.name == name
@@ -244,7 +244,7 @@ def test_both_studies_share_one_preset_type_read_as_attributes_and_as_a_mapping(
         assert picked.as_dict() == dict(presets["tiny"])
     with pytest.raises(KeyError, match="no knob 'name'"):
         train_modern.PRESETS["tiny"]["name"]
-    assert dataclasses.asdict(lm_study.PRESETS["tiny"])["name"] == "tiny"   # chapter 05's record keeps the whole config
+    assert dataclasses.asdict(config.PRESETS["tiny"])["name"] == "tiny"   # chapter 05's record keeps the whole config
 
 
 def _cube(x):
@@ -271,17 +271,17 @@ def test_versus_is_welch_against_the_reference_arm():
 
 
 def test_the_study_optimizer_is_adam_fused_and_updates_as_the_default_loop_does():
-    """``lm_study.optimizer``: fused Adam at ``cfg.lr`` (``fused_adam=False``: torch's default loop). Five steps of
-    the tiny MoE with each end at the same parameters up to float rounding (as Adam shows it: below); a different
-    lr does not (control)."""
-    cfg = lm_study.PRESETS["tiny"]
-    variant = lm_study.variants(cfg)["MoE"]
+    """``lm_study.config.optimizer``: fused Adam at ``cfg.lr`` (``fused_adam=False``: torch's default loop). Five
+    steps of the tiny MoE with each end at the same parameters up to float rounding (as Adam shows it: below); a
+    different lr does not (control)."""
+    cfg = config.PRESETS["tiny"]
+    variant = config.variants(cfg)["MoE"]
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(len(VOCAB), (4, cfg.block + 1), generator=gen) for _ in range(5)]
 
     def trained(c):
-        model = lm_study.build(c, variant, len(VOCAB), seed=0)
-        opt = lm_study.optimizer(c, model)
+        model = config.build(c, variant, len(VOCAB), seed=0)
+        opt = config.optimizer(c, model)
         for b in batches:
             loss = torch.nn.functional.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
             opt.zero_grad(set_to_none=True)

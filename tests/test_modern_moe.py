@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from labutils.moe.capacity import position_in_expert, token_choice_capacity
+from labutils.moe.capacity import expert_capacity, position_in_expert, token_choice_capacity
 from labutils.moe.modern.aux_free import attach_bias_update, bias_update, update_expert_bias
-from labutils.moe.modern.expert_choice import expert_capacity, expert_choice_route
+from labutils.moe.modern.expert_choice import expert_choice_route
 from labutils.moe.modern.experts import RoutedExperts, grouped_matmul, loop_matmul
 from labutils.moe.modern.layer import ModernMoE
 from labutils.moe.modern.losses import balance_loss, z_loss

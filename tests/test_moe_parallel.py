@@ -350,6 +350,7 @@ def test_count_wire_sees_exactly_the_payload_of_a_raw_collective():
 
 def test_two_minimums_and_deepspeed_without_drops():
     from labutils.moe import traffic as comm
+    from labutils.moe.capacity import deepspeed_dropless_capacity
 
     # rank 0: token 0 -> experts 2, 3 (both on rank 1: one trip deduplicated), token 1 -> experts 0, 2
     gate_idx = [torch.tensor([[2, 3], [0, 2]]), torch.tensor([[0, 1], [3, -1]])]
@@ -357,7 +358,7 @@ def test_two_minimums_and_deepspeed_without_drops():
     m = comm.token_matrix(counts, num_expert=2)
     assert comm.minimum_bytes(m, 1, 1).tolist() == [3, 2]                  # one row per choice
     assert comm.dedup_minimum_bytes(gate_idx, 2, 1, 1).tolist() == [2, 1]  # one row per (token, remote rank)
-    assert comm.deepspeed_dropless_capacity(counts) == 2
+    assert deepspeed_dropless_capacity(counts) == 2
     use = comm.capacity_use(counts, 1)
     assert (use["kept"] + use["dropped"]).tolist() == use["routed"].tolist() == counts.sum(0).tolist()
     assert (use["kept"] + use["padding"]).tolist() == [2, 2, 2, 2]
@@ -365,18 +366,19 @@ def test_two_minimums_and_deepspeed_without_drops():
     logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
     _, _, dispatch, exp_counts = sharded_moe.top2gating(logits, 1.0, 4, drop_tokens=False,
                                                         top2_2nd_expert_sampling=False)
-    assert dispatch.shape[-1] == comm.deepspeed_dropless_capacity(exp_counts.view(1, -1)) == int(exp_counts.max())
+    assert dispatch.shape[-1] == deepspeed_dropless_capacity(exp_counts.view(1, -1)) == int(exp_counts.max())
 
 
 def test_comm_accounting():
     from labutils.moe import traffic as comm
+    from labutils.moe.capacity import deepspeed_capacity
 
     counts = torch.tensor([[3, 1, 0, 2], [0, 0, 5, 1]])                # 2 ranks x (2 ranks * 2 experts)
     m = comm.token_matrix(counts, num_expert=2)
     assert m.tolist() == [[4, 2], [0, 6]]
     assert comm.minimum_bytes(m, d_model=8, element_size=4).tolist() == [2 * 32, 0]
-    assert comm.deepspeed_capacity(10, 4, 1.0, min_capacity=4) == 4 and comm.deepspeed_capacity(10, 4, 1.0) == 3
-    assert comm.deepspeed_capacity(100, 4, 2.0, k=2, min_capacity=4) == 100
+    assert deepspeed_capacity(10, 4, 1.0, min_capacity=4) == 4 and deepspeed_capacity(10, 4, 1.0) == 3
+    assert deepspeed_capacity(100, 4, 2.0, k=2, min_capacity=4) == 100
     # E*C*d*size*(W-1)/W, whatever the routing
     assert comm.deepspeed_bytes(100, 4, 2, 8, 4, 1.0) == 4 * 25 * 8 * 4 // 2
     assert comm.deepspeed_dropped(torch.tensor([[6, 0], [4, 4]]), tokens=8, capacity_factor=1.0) == 2
@@ -384,7 +386,7 @@ def test_comm_accounting():
 
 def test_deepspeed_capacity_matches_deepspeed():
     sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
-    from labutils.moe.traffic import deepspeed_capacity
+    from labutils.moe.capacity import deepspeed_capacity
 
     for tokens, experts, cf, k in [(64, 8, 1.0, 1), (64, 8, 2.0, 1), (10, 4, 1.25, 2), (3, 8, 1.0, 1)]:
         gates = torch.zeros(tokens, experts)

@@ -3,9 +3,11 @@ worker started here)."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import pathlib
 import pickle
+import pkgutil
 import subprocess
 import sys
 
@@ -13,10 +15,12 @@ import cloudpickle
 import torch
 
 from labbook import toys
+from labbook.toys import ch02_deepspeed, ch07_costs, ch07_ddp, ch07_ep_groups, ch07_fsdp, ch07_moe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKERS = (toys.ddp_run, toys.ddp_controls, toys.replicate_checks, toys.fsdp_vs_ddp, toys.moe_checks,
-           toys.moe_ep_groups, toys.lab_fmoe_check, toys.dp_costs, toys.ep_parity, toys.capacity_pitfall)
+WORKERS = (ch07_ddp.ddp_run, ch07_ddp.ddp_controls, ch07_ddp.replicate_checks, ch07_fsdp.fsdp_vs_ddp,
+           ch07_moe.moe_checks, ch07_ep_groups.moe_ep_groups, ch07_ep_groups.lab_fmoe_check, ch07_costs.dp_costs,
+           ch02_deepspeed.ep_parity, ch02_deepspeed.capacity_pitfall)
 
 
 def test_workers_ship_by_reference():
@@ -36,7 +40,8 @@ def test_importing_toys_does_not_import_deepspeed():
 
 def test_chapters_import_toys_instead_of_defining_them():
     """Chapters 02 and 07 show toys' code with show_source; none of their cells defines a toys name again."""
-    names = {n for n, v in vars(toys).items() if getattr(v, "__module__", "").startswith(toys.__name__ + ".")}
+    modules = [importlib.import_module(f"{toys.__name__}.{m.name}") for m in pkgutil.iter_modules(toys.__path__)]
+    names = {n for mod in modules for n, v in vars(mod).items() if getattr(v, "__module__", "") == mod.__name__}
     assert {"Net", "TinyMoE", "expert", "dp_costs"} <= names, sorted(names)  # classes and functions of every module
     for chapter in ("02_deepspeed_moe", "07_data_parallel"):
         nb = json.loads((ROOT / "notebooks" / f"{chapter}.ipynb").read_text())
@@ -46,12 +51,12 @@ def test_chapters_import_toys_instead_of_defining_them():
                 tree = ast.parse("".join(cell["source"]))
                 defined |= {node.name for node in tree.body
                             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names}
-        assert not defined, f"{chapter} defines {sorted(defined)} again: import them from labbook.toys"
+        assert not defined, f"{chapter} defines {sorted(defined)} again: import them from labbook.toys.chNN_*"
 
 
 def test_tiny_moe_single_process_picks_one_expert_per_token():
     torch.manual_seed(0)
-    model = toys.TinyMoE(d=8, h=16, num_experts=3)
+    model = ch07_moe.TinyMoE(d=8, h=16, num_experts=3)
     x = torch.randn(5, 8)  # (T, d)
     h = model.inp(x)
     score, idx = torch.softmax(model.gate(h), dim=-1).max(dim=-1)

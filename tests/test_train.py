@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import labutils.train as train_mod
+from labutils.checkpoint import load_checkpoint
 from labutils.data import CharBatches, EpochBatches, RandomPairs, char_corpus, fixed_windows
 from labutils.models import CharLM, SeqRegressor, make_ffn
 from labutils.moe import NoisyGate
-from labutils.train import Progress, evaluate_loss, lm_cross_entropy, load_checkpoint, train
+from labutils.train import Progress, evaluate_loss, lm_cross_entropy, train
 
 
 def noisy_model(seed):

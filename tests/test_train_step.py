@@ -306,10 +306,10 @@ def _tiny_runs():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import train_step
 
-    from labbook import lm_study
+    from labbook.lm_study import config
     from labutils.data import CharBatches
 
-    cfg = lm_study.PRESETS["tiny"]
+    cfg = config.PRESETS["tiny"]
     text = torch.randint(40, (4096,), generator=torch.Generator().manual_seed(0))
 
     class Corpus:

@@ -7,7 +7,7 @@ Three copies, each a superset of the one before (the README's "`labutils` in you
 from :func:`table`, ``tests/test_layout.py`` copies each alone and runs it):
 
 * ``helper``: launch, workers, collectives, plots, parameter counts, data parallel, notebook tools: every module of
-  the package's top folder whose module-level imports stay inside that set;
+  the package's top folder and of the launch wing (``launcher/``) whose module-level imports stay inside that set;
 * ``core``: + the MoE core (``moe/``: the layer, the fastmoe face, the modern wing) and what builds on it at module
   level (the MoE Transformer ``models``, the trainer ``train``);
 * ``deepspeed``: + the DeepSpeed wing (``ds/``).
@@ -30,7 +30,7 @@ COPIES = {
     "core": "+ the MoE core: `moe/` (FMoE and the gates, the fastmoe face, chapter 09's wing), `models`, `train`",
     "deepspeed": "+ the DeepSpeed wing: `ds/`",
 }
-FOLDERS = {"helper": (), "core": ("moe",), "deepspeed": ("moe", "ds")}
+FOLDERS = {"helper": ("launcher",), "core": ("launcher", "moe"), "deepspeed": ("launcher", "moe", "ds")}
 
 
 def _module(path: pathlib.Path) -> str:

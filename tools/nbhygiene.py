@@ -5,7 +5,9 @@
 Outputs are the lab book's record, so this KEEPS them (unlike nbstripout) and checks instead that:
 every code cell ran, in order; no error output outside cells tagged ``raises-exception``; the kernel is the
 lab's (``python3``); no widget state or per-user metadata (``collapsed``, ``scrolled``, ``ExecuteTime``) is
-committed; and no output shows an absolute path of the machine that executed it (home, /tmp, the checkout).
+committed; no output shows an absolute path of the machine that executed it (home, /tmp, the checkout); and no
+code cell is over ``MAX_CELL_LINES`` (40) lines (issue 39: a chapter reads like a book; a longer cell is a helper
+in the package, or two cells with a sentence between them; ``tools/chapter_stats.py`` reports it too).
 Used by the pre-commit hook and by ``make lint``.
 """
 from __future__ import annotations
@@ -18,6 +20,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STRAY_CELL_KEYS = {"collapsed", "scrolled", "ExecuteTime", "execution"}
 ABSOLUTE = re.compile(r"(/home/\w+|/root/|/tmp/|/work/|/Users/\w+|[A-Z]:\\\\Users)")
+MAX_CELL_LINES = 40  # THE longest a code cell may be (issue 39), read by tools/chapter_stats.py
+
+
+def cell_lines(source: str) -> int:
+    """A code cell's length in lines, as the editor shows it (blank lines count, trailing ones do not)."""
+    return len(source.rstrip().splitlines())
 
 
 def output_text(output: dict) -> str:
@@ -42,6 +50,10 @@ def problems(path: pathlib.Path) -> list:
             found.append(f"{where}: per-user metadata {sorted(stray)}")
         if cell["cell_type"] != "code" or not "".join(cell["source"]).strip():
             continue
+        lines = cell_lines("".join(cell["source"]))
+        if lines > MAX_CELL_LINES:
+            found.append(f"{where}: code cell of {lines} lines (over {MAX_CELL_LINES}: move code into the package "
+                         f"or split the cell)")
         if cell.get("execution_count") is None:
             found.append(f"{where}: not executed")
         else:

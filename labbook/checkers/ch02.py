@@ -138,7 +138,8 @@ def real_dispatch(seed: int, tokens: int, d: int, experts: int, k: int, cf: floa
     """A real ``MoE`` layer (seeded router, sampling off) and seeded tokens. Returns the case
     ``(x (S, d), indices (k, S), locations (k, S), E, C)`` (the gate's sparse routes, int64, -1 = dropped) and the
     layer, whose experts' input :func:`experts_input` records."""
-    from labutils.ds.runtime import init_deepspeed, quiet
+    from labutils.ds.runtime import init_deepspeed
+    from labutils.nbtools import quiet
 
     init_deepspeed()
     from deepspeed.moe.layer import MoE

@@ -19,7 +19,9 @@ the chapters' ``check``) and an instructor grades (``python -m labbook.grader gr
 """
 from __future__ import annotations
 
-from labbook.grader.catalog import ENTRIES, entry
+import sys
+
+from labbook.grader import catalog as _catalog
 
 
 def grade(exercise: str, source: str | None = None, *, seed: int | None = None,
@@ -33,7 +35,7 @@ def grade(exercise: str, source: str | None = None, *, seed: int | None = None,
     from labbook.grader import service
     from labbook.grader import source as sources
 
-    e = entry(exercise)
+    e = _catalog.entry(exercise)
     if source is None:
         source = sources.from_kernel(e.function)
     elif not isinstance(source, str):
@@ -44,4 +46,16 @@ def grade(exercise: str, source: str | None = None, *, seed: int | None = None,
         raise AssertionError(f"{e.function}: {report.reason}")
 
 
-__all__ = ["ENTRIES", "entry", "grade"]
+__all__ = ["grade"]
+
+
+def __getattr__(name: str):
+    """``ENTRIES`` and ``entry`` moved to ``labbook.grader.catalog``: the deprecation table forwards them. It is
+    imported on first use only, because the grading child imports this package and must not have ``labutils``
+    in ``sys.modules`` (a cached module would be imported without the audit hook seeing an import)."""
+    if name in ("ENTRIES", "entry"):
+        from labutils._deprecate import forward_moved
+
+        forward_moved(__name__)
+        return getattr(sys.modules[__name__], name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,56 +20,12 @@ chapter makes of the setup live here too: FLOPs measured by ``FlopCounterMode`` 
 the split inspected on the data (:func:`shared_windows`), repeats of drawing windows with replacement
 (:func:`window_coverage`), the training clock without evaluations (:class:`TrainClock`).
 
-One module per part, every name importable from ``labbook.lm_study``: ``config`` (the preset, the models, FLOPs),
+One module per part, each name imported from its module (``from labbook.lm_study.summary import summarize``; the
+0.3 hub's ``labbook.lm_study.summarize`` warns until 1.0.0): ``config`` (the preset, the models, FLOPs),
 ``data_checks`` (the split and the windows), ``runner`` (the runs), ``summary`` (the verdicts), ``plots``. The
 preset type, the model builder, the jobs side by side and the comparison against a reference arm are
 :mod:`labbook.study`'s, shared with chapter 09's runner.
 """
-from labbook.lm_study.config import (  # noqa: F401
-    ABLATIONS,
-    LOAD_WINDOWS,
-    MAIN,
-    PRESETS,
-    StudyConfig,
-    Variant,
-    build,
-    data_limited,
-    epochs,
-    measured_train_flops,
-    optimizer,
-    train_flops_per_token,
-    variants,
-)
-from labbook.lm_study.data_checks import (  # noqa: F401
-    file_coverage,
-    shared_windows,
-    window_coverage,
-)
-from labbook.lm_study.plots import (  # noqa: F401
-    busiest_over_mean,
-    load_shares,
-    plot_ablations,
-    plot_layer_load,
-    plot_study,
-)
-from labbook.lm_study.runner import (  # noqa: F401
-    TrainClock,
-    corpus_for,
-    heldout_loss,
-    run_one,
-    run_study,
-    training_text,
-)
-from labbook.lm_study.summary import (  # noqa: F401
-    Curve,
-    ablation_comparisons,
-    ablation_lines,
-    curves,
-    loss_at,
-    seed_bootstrap,
-    steps_to_reach,
-    summarize,
-    target_met,
-    target_verdict,
-    verdict_lines,
-)
+from labutils._deprecate import forward_moved
+
+forward_moved(__name__)

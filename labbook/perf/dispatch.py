@@ -37,16 +37,17 @@ import math
 import torch
 import torch.nn.functional as F
 
+from labutils._deprecate import forward_moved
 from labutils.moe.capacity import position_in_expert
 from labutils.moe.functions import combine, count_by_gate, gather, scatter
 from labutils.moe.modern.experts import grouped_matmul
 
-from .problem import DispatchOut, Problem, expert_mlp, fwd_bwd, make_problem, route
-from .real_layers import CoreMoE, DeepSpeedMoE, core, fastmoe, per_expert_tensors
+from .problem import DispatchOut, Problem, expert_mlp, route
+from .real_layers import CoreMoE, DeepSpeedMoE, fastmoe
 
-__all__ = ["Problem", "DispatchOut", "make_problem", "route", "expert_mlp", "loop", "loop_moe", "core", "CoreMoE",
-           "padded", "grouped_mm", "grouped_moe", "einsum", "DeepSpeedMoE", "fastmoe", "dense", "separate",
-           "per_expert_tensors", "DESIGNS", "REFERENCES", "build_designs", "fwd_bwd"]
+__all__ = ["loop", "loop_moe", "padded", "grouped_mm", "grouped_moe", "einsum", "dense", "separate", "DESIGNS",
+           "REFERENCES", "build_designs"]
+forward_moved(__name__)  # the problem's and the real layers' names: labbook.perf.problem, labbook.perf.real_layers
 
 
 # ---- the designs ------------------------------------------------------------------------------

@@ -168,7 +168,8 @@ def _ours_row(x, grad, d, h, k, E, name="ours (FMoETransformerMLP)"):
 
 
 def _deepspeed_rows(x, grad, d, h, k, E, factors):
-    from labutils.ds.runtime import init_deepspeed, quiet
+    from labutils.ds.runtime import init_deepspeed
+    from labutils.nbtools import quiet
     init_deepspeed()
     from deepspeed.moe.layer import MoE
     rows = []

@@ -30,7 +30,8 @@ def distinct_experts(moe, seed=0):
 def ep_layers(d, num_experts, k, seed=0, **moe_kwargs):
     """This rank's ``ep_size=1`` layer (all experts, made distinct) and the ``ep_size=W`` layer holding its share.
     ``moe_kwargs`` override DeepSpeed ``MoE`` arguments (``capacity_factor``, ``drop_tokens``, ...)."""
-    from labutils.ds.runtime import init_deepspeed, quiet, shard_for_rank
+    from labutils.ds.runtime import init_deepspeed, shard_for_rank
+    from labutils.nbtools import quiet
 
     init_deepspeed()  # adopts the gloo group launch created
     from deepspeed.moe.layer import MoE
@@ -71,7 +72,8 @@ def ep_parity(d, num_experts, k, tokens, seed=0):
 def capacity_pitfall(d, num_experts, guard, fix):
     """Worker: ranks whose capacities differ (``drop_tokens=False``), with or without the guard and the expert
     group (``fix``): "CapacityMismatchError: ..." or "ran: ..."."""
-    from labutils.ds.runtime import CapacityMismatchError, init_deepspeed, install_capacity_guard, quiet
+    from labutils.ds.runtime import CapacityMismatchError, init_deepspeed, install_capacity_guard
+    from labutils.nbtools import quiet
 
     init_deepspeed()
     from deepspeed.moe.layer import MoE

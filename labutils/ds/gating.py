@@ -8,8 +8,9 @@ Written from the algorithm, not copied; where DeepSpeed's arithmetic has a quirk
 
 Everything returns a :class:`Routing` with per-route tensors of shape ``(k, S)``: route ``j`` of token ``s``
 goes to expert ``indices[j, s]`` (``-1``: dropped) at slot ``locations[j, s]`` with weight ``weights[j, s]``.
-The capacity ``C`` is :func:`labutils.moe.capacity.deepspeed_capacity` (``ds_capacity`` here, chapter 02's name)
-or, without drops, :func:`labutils.moe.capacity.deepspeed_dropless_capacity`.
+The capacity ``C`` is :func:`labutils.moe.capacity.deepspeed_capacity` (``ds_capacity`` in this module's code, chapter
+02's name; ``labutils.ds.gating.ds_capacity`` from outside warns until 1.0.0) or, without drops,
+:func:`labutils.moe.capacity.deepspeed_dropless_capacity`.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# the capacity formulas live in the MoE core (labutils.moe.capacity); ds_capacity is chapters 02 and 04's name
-from ..moe.capacity import deepspeed_capacity as ds_capacity
-from ..moe.capacity import deepspeed_dropless_capacity, exact_capacity
+from .._deprecate import forward_moved
+from ..moe.capacity import deepspeed_capacity as ds_capacity  # chapter 02's name; the formulas are the core's
+from ..moe.capacity import deepspeed_dropless_capacity
 
-__all__ = ["Routing", "ds_capacity", "exact_capacity", "top1_routing", "top2_routing", "topk_routing",
-           "routing_from_deepspeed", "moe_output"]
+__all__ = ["Routing", "top1_routing", "top2_routing", "topk_routing", "routing_from_deepspeed", "moe_output"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 
 @dataclass

@@ -27,10 +27,12 @@ import time
 
 import torch
 
-from ..nbtools import quiet  # re-exported: labutils.ds.quiet
+from .._deprecate import forward_moved
+from ..nbtools import quiet  # its address: labutils.nbtools (and the wing's face, labutils.ds)
 
-__all__ = ["import_deepspeed", "init_deepspeed", "quiet", "build_ops", "extensions_dir", "shm_op_built",
+__all__ = ["import_deepspeed", "init_deepspeed", "build_ops", "extensions_dir", "shm_op_built",
            "install_capacity_guard", "CapacityMismatchError", "moe_layers", "shard_for_rank"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository, when the package sits in it
 _OWN_ENV = False  # True once init_deepspeed has written the single-process rendezvous variables

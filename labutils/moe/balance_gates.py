@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import require_process_group
+from ..agreement import require_process_group
 from .capacity import exchange_counts, fastmoe_dc_capacity, limit_by_capacity, position_in_expert
 from .capacity_gates import GShardGate
 from .functions import check_top_k

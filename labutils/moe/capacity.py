@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .._deprecate import deprecated
-from ..collectives import require_process_group
+from ..agreement import require_process_group
 from ..data import _size
 
 # ---- the formulas -------------------------------------------------------------------------------------

@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import torch
 
+from .._deprecate import forward_moved
 from .capacity import (
     CapacityFactors,
     drop_over_capacity,
-    exchange_counts,
     fastmoe_gshard_capacity,
     fastmoe_switch_capacity,
     limit_by_capacity,
-    position_in_expert,
     warn_small_capacity,
 )
 from .functions import check_top_k
 from .gates import NaiveGate, check_finite_logits
 
-# limit_by_capacity and position_in_expert keep their 0.2.0 import path here
-__all__ = ["CapacityGate", "GShardGate", "SwitchGate", "limit_by_capacity", "drop_over_capacity",
-           "position_in_expert", "exchange_counts"]
+# limit_by_capacity and position_in_expert, here in 0.2.0, are capacity.py's: their old path warns until 1.0.0
+__all__ = ["CapacityGate", "GShardGate", "SwitchGate"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 
 class CapacityGate(NaiveGate):

@@ -23,12 +23,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..agreement import disagreements, dtype_code, dtype_name, gather_rows
-from ..collectives import all_to_all, require_process_group
+from .._deprecate import forward_moved
+from ..agreement import disagreements, dtype_code, dtype_name, gather_rows, require_process_group
+from ..collectives import all_to_all
 from .capacity import exchange_counts
 
-__all__ = ["exchange_and_run", "exchange_counts", "local_order", "to_experts", "from_experts", "check_agreement",
+__all__ = ["exchange_and_run", "local_order", "to_experts", "from_experts", "check_agreement",
            "assign_layer_ids", "layer_id", "ExpertParallelMismatch", "shard_state"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 _MAGIC = 0x6D6F65  # "moe": tells our agreement gather apart from a stray all_gather of the same shape
 _FIELDS = ["check tag", "world size", "num_expert", "d_model", "layer id", "call number of this layer",

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import Slice, all_gather, rank_slice, require_process_group
+from ..agreement import require_process_group
+from ..collectives import Slice, all_gather, rank_slice
 from .functions import (
     check_gate_output,
     check_top_k,

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .capacity import deepspeed_capacity, deepspeed_dropless_capacity
+from .._deprecate import forward_moved
+from .capacity import deepspeed_capacity
 
 __all__ = ["record_traffic", "TrafficLog", "token_matrix", "minimum_bytes", "dedup_minimum_bytes",
-           "deepspeed_capacity", "deepspeed_bytes", "deepspeed_dropless_capacity", "deepspeed_dropped",
+           "deepspeed_bytes", "deepspeed_dropped",
            "capacity_use", "plot_capacity_use", "plot_token_matrix", "wire_bytes_of_call", "wire_payload",
            "check_wire"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 
 @dataclass

@@ -23,17 +23,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ...collectives import Slice, all_gather, require_process_group, slice_sizes
+from ..._deprecate import forward_moved
+from ...agreement import require_process_group
+from ...collectives import Slice, all_gather
 from .. import functions as core
 from ..capacity import exchange_counts
 from ..capacity import limit_by_capacity as _limit_by_capacity
 from ..expert_parallel import from_experts, to_experts
-from ..layers import DP_COMM, mark_module_parallel_comm
+from ..layers import mark_module_parallel_comm
 from ..tree import tree_flatten, tree_map
 
 __all__ = ["ensure_comm", "get_moe_group", "count_by_gate", "prepare_forward", "MOEScatter", "MOEGather",
-           "AllGather", "Slice", "limit_by_capacity", "mark_module_parallel_comm", "_fmoe_general_global_forward",
-           "slice_sizes", "DP_COMM"]
+           "AllGather", "Slice", "limit_by_capacity", "mark_module_parallel_comm", "_fmoe_general_global_forward"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 _moe_group: Any = None
 

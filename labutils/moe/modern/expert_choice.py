@@ -17,9 +17,10 @@ import numbers
 
 import torch
 
-from ..capacity import expert_capacity  # C = ceil(T * cf / E): the formula, with the core's others
+from ..._deprecate import forward_moved
 
-__all__ = ["expert_capacity", "expert_choice_route"]
+__all__ = ["expert_choice_route"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 
 def expert_choice_route(scores: torch.Tensor, capacity: int):
@@ -28,7 +29,7 @@ def expert_choice_route(scores: torch.Tensor, capacity: int):
 
     Refuses, naming the argument and the value: ``scores`` that are not ``(T, E)`` or hold NaN/inf;
     ``capacity`` not an int (TypeError: 2.5 failed inside the slicing) or not between 1 and ``T`` (0 only for
-    an empty batch, ``T = 0``: every expert takes no token, as :func:`expert_capacity` gives)."""
+    an empty batch, ``T = 0``: every expert takes no token, as :func:`labutils.moe.capacity.expert_capacity` gives)."""
     if scores.dim() != 2:
         raise ValueError(f"expert_choice_route needs scores (tokens, experts), got {tuple(scores.shape)}")
     T = scores.shape[0]

@@ -13,8 +13,8 @@
 How it works (and why): `torch.multiprocessing.spawn` cannot unpickle a function defined in a notebook,
 `fork` of the kernel deadlocks once it has run a matmul and cannot carry CUDA, and `torchrun` is slow and
 orphans workers when killed. So `launch` ships the function *by value* (cloudpickle) to a fresh
-interpreter (labutils/_worker.py) that imports torch once and forks one process per rank before any tensor
-op runs. Ranks meet through a FileStore in a temporary directory: no port is chosen by us, so no race, and
+interpreter (``_worker.py`` of this package) that imports torch once and forks one process per rank before any
+tensor op runs. Ranks meet through a FileStore in a temporary directory: no port is chosen by us, so no race, and
 gloo is bound to the loopback interface. Each rank's output appears in the cell prefixed with its rank.
 A rank that raises or dies stops the whole launch within about a second with a `WorkerError`; a rank
 stuck at the timeout is reported with its Python stack; ranks waiting in different collectives (rank 0
@@ -26,9 +26,11 @@ too) is swept by the next launch, which checks whether its owner process is stil
 
 The same function runs unchanged under torchrun through ``python -m labutils.torchrun`` (see that module).
 
-This module checks the call and ships it; the rest of the parent side is one idea per file: ``_run`` (the
-zygote, its pipes and events, the wait, the stop), ``_failures`` (results, ``WorkerError`` and its messages),
-``_launchdir`` (the launch directory and its owner), ``backend`` (the backend and threads, as torchrun's).
+This package is the launch wing (0.3.0; before, its modules sat at the top of ``labutils``, whose old paths forward
+until 1.0.0). Its ``__init__`` checks the call and ships it; the rest is one idea per file: ``_run`` (the zygote,
+its pipes and events, the wait, the stop), ``_failures`` (results, ``WorkerError`` and its messages), ``_launchdir``
+(the launch directory and its owner), ``backend`` (the backend and threads, as torchrun's), and on the ranks' side
+``_worker`` (the zygote and each rank, started by file path), ``_procs`` and ``_watch`` (loaded by it by path).
 """
 from __future__ import annotations
 
@@ -39,13 +41,15 @@ import math
 import numbers
 import sys
 
+from .._deprecate import forward_moved
+from ..optional import HINTS
 from ._failures import MISMATCH_S, WorkerError  # noqa: F401  (MISMATCH_S: here for the tests and tools)
 from ._launchdir import TMP_PREFIX, _start_time, sweep_stale_dirs  # noqa: F401  (the same)
 from ._run import Run as _Run
-from .backend import choose, default_backend
-from .optional import HINTS
+from .backend import choose
 
-__all__ = ["launch", "WorkerError", "worker_info", "default_backend"]
+__all__ = ["launch", "WorkerError", "worker_info"]
+forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 NOTEBOOK_TIMEOUT_S, SCRIPT_TIMEOUT_S = 120.0, 300.0  # the default timeout inside a Jupyter kernel / elsewhere
 

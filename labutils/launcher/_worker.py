@@ -1,6 +1,6 @@
-"""The worker side of `launch`: the zygote that forks the ranks, and each rank. Internal; see launcher.py.
+"""The worker side of `launch`: the zygote that forks the ranks, and each rank. Internal; see ``__init__.py``.
 
-The parent (launcher.py) starts this file by its path (``runpy.run_path``) in a fresh interpreter: it
+The parent (``labutils.launcher``) starts this file by its path (``runpy.run_path``) in a fresh interpreter: it
 imports nothing of its package, so a renamed or nested copy of the package launches the same way. The
 zygote imports torch once and forks one child per rank *before* any tensor op has run in it (so fork is
 safe: no OpenMP pool, no CUDA context), then waits for them. Each rank wires its output, dies with the

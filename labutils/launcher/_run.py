@@ -43,9 +43,9 @@ def _package_root() -> str:
     return root
 
 
-# The zygote runs _worker.py by its path, not as ``-m labutils._worker``: a renamed (``mylab/``) or nested copy
-# of the package, or one imported from a path not on sys.path, starts the same way, and run_path does not put
-# the package's own folder on sys.path (its models.py must not shadow a user's ``models`` module).
+# The zygote runs _worker.py by its path, not with ``-m labutils.launcher._worker``: a renamed (``mylab/``) or
+# nested copy of the package, or one imported from a path not on sys.path, starts the same way, and run_path does
+# not put the package's own folder on sys.path (its models.py must not shadow a user's ``models`` module).
 _RUN_WORKER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 class Run(Reports):
