@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from labbook import lm_study
+from labbook.lm_study import summary
 from labutils import stats
 
 T975_2 = 4.302652729749462      # scipy.stats.t.ppf(0.975, 2)
@@ -85,7 +85,7 @@ def fake_record(finals: dict) -> dict:
 
 def test_speedup_verdict_comes_from_the_t_interval():
     rec = fake_record({"dense": [2.0, 2.05, 1.95], "MoE": [1.9, 1.7, 1.8], "dense-wide": [1.6, 1.61, 1.62]})
-    s = lm_study.summarize(rec)
+    s = summary.summarize(rec)
     sp = s["speedup"]
     m = sum(sp["values"]) / 9
     sd = math.sqrt(sum((v - m) ** 2 for v in sp["values"]) / 8)
@@ -93,11 +93,11 @@ def test_speedup_verdict_comes_from_the_t_interval():
                                                            m + T975_2 * sd / math.sqrt(3)))
     lo, hi = sp["t_ci"]
     for target, want in ((lo - 0.01, "met"), ((lo + hi) / 2, "inconclusive"), (hi + 0.01, "NOT met")):
-        assert lm_study.target_verdict(sp, target) == want
-        assert lm_study.target_met(sp, target) == (want == "met")
-        assert f"target ≥ {target}: {want}" in "\n".join(lm_study.verdict_lines(s, target))
-    two = lm_study.summarize(fake_record({"dense": [2.0, 2.05], "MoE": [1.9, 1.7], "dense-wide": [1.6, 1.61]}))
-    assert lm_study.target_verdict(two["speedup"], 0.5) == "inconclusive"     # fewer than 3 seeds per arm
+        assert summary.target_verdict(sp, target) == want
+        assert summary.target_met(sp, target) == (want == "met")
+        assert f"target ≥ {target}: {want}" in "\n".join(summary.verdict_lines(s, target))
+    two = summary.summarize(fake_record({"dense": [2.0, 2.05], "MoE": [1.9, 1.7], "dense-wide": [1.6, 1.61]}))
+    assert summary.target_verdict(two["speedup"], 0.5) == "inconclusive"     # fewer than 3 seeds per arm
 
 
 def test_summarize_holds_every_test_of_the_record_in_one_family():
@@ -105,12 +105,12 @@ def test_summarize_holds_every_test_of_the_record_in_one_family():
     for name, finals in (("E=k=2", [2.1, 2.12, 2.08]), ("E=4", [1.85, 1.8, 1.9])):
         rec["runs"] += [{"name": name, "seed": s, "val_steps": [100, 200], "val": [v + 0.3, v],
                          "flops_per_step": 1, "train_seconds": [1.0, 2.0]} for s, v in enumerate(finals)]
-    s = lm_study.summarize(rec)
+    s = summary.summarize(rec)
     # 3 main tests + E=k=2 vs dense + equal time + 2 ablations vs MoE
     assert s["family"] == 7 and s["gated_vs_dense"].names == ("E=k=2", "dense")
     tests = [s["moe_vs_dense"], s["moe_vs_wide"], s["wide_vs_dense"], s["gated_vs_dense"],
              s["equal_time"]["comparison"], *s["ablations"].values()]
     assert [t.p for t in tests] == pytest.approx(stats.holm_adjust([t.p_raw for t in tests]))
-    lines = "\n".join(lm_study.verdict_lines(s))
+    lines = "\n".join(summary.verdict_lines(s))
     assert "E=k=2" in lines and "the 7 tests on this record are one family" in lines
-    assert lm_study.ablation_lines(s)[0] == s["ablations"]["E=k=2"].sentence("nats", "test")
+    assert summary.ablation_lines(s)[0] == s["ablations"]["E=k=2"].sentence("nats", "test")

@@ -48,3 +48,29 @@ def test_count_wire_refuses_a_settle_longer_than_its_wait():
         count_wire(settle=1.0, max_wait=0.5)
     with pytest.raises(ValueError, match="settle"):
         count_wire(settle=-0.1)
+
+
+def _repeat_counts(n):
+    import torch
+    import torch.distributed as dist
+
+    from labutils.wire import count_wire
+
+    world = dist.get_world_size()
+    out = []
+    for _ in range(n):
+        dist.barrier()
+        with count_wire() as w:                                              # no barrier inside: the count ends
+            dist.all_to_all_single(torch.empty(world * 100), torch.zeros(world * 100))  # right after the call
+        out.append((w.sent, w.settled))
+    dist.barrier()
+    return out
+
+
+def test_count_wire_settles_without_losing_a_byte():
+    """count_wire stops re-reading once a re-read finds the counters unchanged while no other thread of the rank runs
+    (not after a fixed quiet 50 ms): every one of 20 counts of the same collective, ended right after it as chapter
+    07's step counts are, is the same number of bytes, and settled."""
+    for rank, counts in enumerate(launch(_repeat_counts, 2, 20, timeout=90)):
+        assert len({sent for sent, _ in counts}) == 1 and all(ok for _, ok in counts), (rank, counts)
+        assert counts[0][0] > 100 * 4, (rank, counts)                        # the peer's 100 floats, and framing

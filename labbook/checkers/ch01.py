@@ -1,6 +1,7 @@
 """Chapter 01's exercise cases for the grader (:mod:`labbook.grader`): a top-k MoE forward from plain tensors, the
 Switch balancing loss, ``count_by_gate``, a top-k gate on logits, and capacity dropping. Serves
-notebooks/01_fastmoe_core.ipynb; red-teamed by tests/test_grader_ch01.py.
+notebooks/01_fastmoe_core.ipynb; red-teamed by tests/test_grader_ch01.py. Also the harness of section 8's training
+check cells (the reader's two functions as a layer in a char LM, trained with and without the balancing loss).
 
 Every reference here is a brute-force loop over tokens written for the grader, not the lab's ``labutils.moe`` code
 the exercise re-implements; it runs in the grading parent only.
@@ -180,3 +181,95 @@ CASES = {
     "my_topk_gate": lambda: Cases(topk_gate_reference, topk_visible(), _topk_hidden),
     "my_drop_over_capacity": lambda: Cases(drop_reference, drop_visible(), _drop_hidden),
 }
+
+
+# --- the chapter's control on the grader: a wrong gate it must fail -----------------------------------------------
+
+SWITCH_SCORES = """
+def my_moe_forward(x, w_gate, b_gate, W1, b1, W2, b2, k):
+    probs = torch.softmax(x @ w_gate.T + b_gate, dim=-1)                   # (T, E): Switch's scores
+    top_p, top_idx = torch.topk(probs, k, dim=-1)
+    y = torch.zeros_like(x)
+    for e in range(w_gate.shape[0]):
+        tok, slot = torch.nonzero(top_idx == e, as_tuple=True)
+        hid = torch.nn.functional.gelu(x[tok] @ W1[e].T + b1[e])
+        y = y.index_add(0, tok, top_p[tok, slot, None] * (hid @ W2[e].T + b2[e]))
+    return y
+"""  # the layer with Switch's scores (softmax over all E, then the top k): for k > 1 its weights do not sum to 1
+
+# --- section 8's training check: the reader's two functions as a layer in a char LM (checker cells) -------------
+
+ARMS = {"balancing loss": dict(aux=0.01, out=1.0), "no balancing loss": dict(aux=0.0, out=1.0),
+        "zero-output control": dict(aux=0.01, out=0)}                  # out 0: the layer's output multiplied by 0
+
+
+class MyMoE(torch.nn.Module):
+    """The reader's ``my_moe_forward`` and ``my_switch_loss`` as a layer; the Switch loss kept like a gate's
+    (``get_loss``/``has_loss``, so ``labutils.train`` adds ``aux_coef x`` it), the top-1 share per expert recorded
+    at every training step. ``out_scale`` 0: the zero-output control."""
+
+    def __init__(self, moe_forward, switch_loss, d, h, E, k, out_scale=1):
+        super().__init__()
+        self.moe_forward, self.switch_loss = moe_forward, switch_loss
+        self.k, self.out_scale, s1, s2 = k, out_scale, d ** -0.5, h ** -0.5
+        self.w_gate, self.b_gate = torch.nn.Parameter(torch.randn(E, d) * s1), torch.nn.Parameter(torch.zeros(E))
+        self.W1, self.b1 = torch.nn.Parameter(torch.randn(E, h, d) * s1), torch.nn.Parameter(torch.zeros(E, h))
+        self.W2, self.b2 = torch.nn.Parameter(torch.randn(E, d, h) * s2), torch.nn.Parameter(torch.zeros(E, d))
+        self.has_loss, self.loss, self.loads = True, torch.zeros(()), []
+
+    def forward(self, x):                                                   # (B, T, d)
+        xt = x.reshape(-1, x.shape[-1])                                     # (B*T, d)
+        logits = xt @ self.w_gate.T + self.b_gate                           # (B*T, E)
+        self.loss = self.switch_loss(logits)
+        if self.training:                                                   # top-1 share per expert, per step
+            self.loads.append(torch.bincount(logits.argmax(-1), minlength=len(self.b_gate)).float() / len(xt))
+        if self.out_scale == 0:                                             # the control: the layer's output is 0
+            return torch.zeros_like(x)
+        y = self.moe_forward(xt, self.w_gate, self.b_gate, self.W1, self.b1, self.W2, self.b2, self.k)
+        return y.reshape(x.shape)
+
+    def get_loss(self, clear=True):
+        return self.loss
+
+
+def train_arm(moe_forward, switch_loss, build: dict, corpus, seed: int, aux: float, out) -> tuple:
+    """One char LM (chapter 05's, on ``corpus``, the standard library's source) with the reader's layer, the router's
+    learning rate ``build["router_lr"]`` x the rest's: (mean loss of the last 20 steps, (steps, E) top-1 shares)."""
+    from labutils.data import CharBatches
+    from labutils.models import CharLM
+    from labutils.train import lm_cross_entropy, train
+
+    b = build
+    torch.manual_seed(seed)                                                 # the same initialisation in every arm
+    lm = CharLM(corpus.vocab_size, b["d"], 2, 1, b["block"],
+                lambda: MyMoE(moe_forward, switch_loss, b["d"], b["h"], b["experts"], b["k"], out))
+    router = [p for n, p in lm.named_parameters() if n.endswith(("w_gate", "b_gate"))]
+    rest = [p for n, p in lm.named_parameters() if not n.endswith(("w_gate", "b_gate"))]
+    opt = torch.optim.Adam([dict(params=rest), dict(params=router, lr=3e-3 * b["router_lr"])], lr=3e-3)
+    res = train(lm, CharBatches(corpus.train, b["batch"], b["block"], seed=seed), steps=b["steps"], optimizer=opt,
+                loss_fn=lm_cross_entropy, aux_coef=aux, record_load=False, progress=False)
+    return sum(res.losses[-20:]) / 20, torch.stack(lm.blocks[0].ffn.loads)
+
+
+def train_arms(moe_forward, switch_loss, build: dict) -> dict:
+    """Every arm of ``ARMS`` for every seed of ``build["seeds"]``, on one thread ((B*T, 32) matrices: a second
+    thread only adds synchronisation): ``{arm: [(loss, (steps, E) top-1 shares) per seed]}``."""
+    from labutils.data import stdlib_corpus
+
+    corpus, threads = stdlib_corpus(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {arm: [train_arm(moe_forward, switch_loss, build, corpus, s, **kw) for s in build["seeds"]]
+                for arm, kw in ARMS.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def busiest(shares) -> float:
+    """(steps, E) top-1 shares -> the busiest expert's share over the last 20 steps."""
+    return float(shares[-20:].mean(0).max())
+
+
+def dead(shares) -> int:
+    """(steps, E) top-1 shares -> experts under 1% of the top-1 choices over the last 20 steps."""
+    return int((shares[-20:].mean(0) < 0.01).sum())

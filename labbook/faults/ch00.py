@@ -1,4 +1,7 @@
-"""Chapter 00's faults: each names the check cell that must catch it. (See ``labbook.faults``.)"""
+"""Chapter 00's faults: each names the check cell that must catch it. (See ``labbook.faults``.)
+
+The cell ``UNLUCKY`` defines ``launch_error`` (a launch that must raise ``WorkerError``), which the crash and straggler
+cells use, so their faults run it too."""
 from labbook.faults import Edit, Fault
 
 SETUP, HELLO, BROKEN, SHARDS, UNLUCKY, CRASH, STRAGGLER = (
@@ -14,24 +17,24 @@ FAULTS = [
                         "    if False:\n        raise AssertionError(f\"FAILED"),),
           cells=(SETUP, BROKEN)),
     Fault("launch returns the ranks' results in reverse order", check=SHARDS, expect="rank order",
-          library=(Edit("labutils/_failures.py", "        return out\n\n    def _error_record",
+          library=(Edit("labutils/launcher/_failures.py", "        return out\n\n    def _error_record",
                         "        return out[::-1]\n\n    def _error_record"),),
           cells=(SETUP, SHARDS)),
     Fault("launch returns the results although a rank failed", check=UNLUCKY, expect="launch raised WorkerError",
-          library=(Edit("labutils/_run.py", "                raise self.failure_error()",
+          library=(Edit("labutils/launcher/_run.py", "                raise self.failure_error()",
                         "                return [None] * self.world_size"),),
           cells=(SETUP, UNLUCKY)),
     Fault("launch names the last failing rank, not the first", check=UNLUCKY, expect="the first failing rank",
-          library=(Edit("labutils/_failures.py", "        _, _, rank, what, tb, code = reports[0]",
+          library=(Edit("labutils/launcher/_failures.py", "        _, _, rank, what, tb, code = reports[0]",
                         "        _, _, rank, what, tb, code = reports[-1]"),),
           cells=(SETUP, UNLUCKY)),
     Fault("a rank killed by a signal is reported as exit code 1", check=CRASH, expect="exit code -9",
-          library=(Edit("labutils/_procs.py", "return -os.WTERMSIG(status) if", "return 1 if"),),
-          cells=(SETUP, CRASH)),
+          library=(Edit("labutils/launcher/_procs.py", "return -os.WTERMSIG(status) if", "return 1 if"),),
+          cells=(SETUP, UNLUCKY, CRASH)),
     Fault("a timeout's report keeps only rank 0's stack", check=STRAGGLER, expect="both stuck ranks",
-          library=(Edit("labutils/_failures.py", "        for rank in ranks:\n            path = os.path.join",
+          library=(Edit("labutils/launcher/_failures.py", "        for rank in ranks:\n            path = os.path.join",
                         "        for rank in ranks[:1]:\n            path = os.path.join"),),
-          cells=(SETUP, STRAGGLER)),
+          cells=(SETUP, UNLUCKY, STRAGGLER)),
     Fault("count_params files expert parameters under 'other'", check=COUNTS, expect="experts: 32 x",
           library=(Edit("labutils/params.py", '            return "moe experts"', '            return "other"'),),
           cells=(SETUP, COUNTS)),

@@ -5,12 +5,13 @@ CPU machine it prints why it skips, so it has no fault here.
 """
 from labbook.faults import Edit, Fault
 
-SETUP, LAYER, BATCH, COUNT, STEPS, FUSED, BUFFERS = (
-    "08278de5", "a8458121", "b4f10c34", "cb299e4f", "e3d510e4", "0af8d210", "fb678ae7")
+SETUP, LAYER, BATCH, COUNT, STEPS, FUSED, BUFFER_COUNTER, BUFFERS = (
+    "08278de5", "a8458121", "b4f10c34", "cb299e4f", "e3d510e4", "0af8d210", "14333266", "fb678ae7")
 GATES, SWITCH_LOSS, DROPS, GSHARD, PARITY = "5f15ee6f", "c848d3a3", "0a0776dc", "b7d3e9c4", "80f00382"
 AS_FMOE, PROGRAM, PROGRAM_CHECK, BROKEN, EP, EP_REF = (
     "3f766a9b", "8235289a", "080d7e39", "e3f618ab", "d55889b7", "c5e8a2d6")
 SOLUTION, GRADER_CONTROL = "bda41485", "48278094"
+LOSS_SOLUTION, HARNESS, TRAIN, TRAIN_CHECK = "783dd587", "38ec567e", "effc78e3", "c7c3b9a7"
 
 FUNCTIONS, CAPACITY = "labutils/moe/functions.py", "labutils/moe/capacity.py"
 UP_TO_COUNT = (SETUP, LAYER, BATCH, COUNT)
@@ -45,9 +46,9 @@ FAULTS = [
           expect="fused: fewer (T*k, d) buffers made and none kept for backward",
           library=(Edit(FUNCTIONS, "ctx.save_for_backward(y_sorted, pos, score)",
                         "ctx.save_for_backward(y_sorted.clone(), pos, score)"),),
-          cells=(*UP_TO_COUNT, STEPS, FUSED, BUFFERS)),
+          cells=(*UP_TO_COUNT, STEPS, FUSED, BUFFER_COUNTER, BUFFERS)),
     Fault("SwitchGate's loss divides the summed probability by all T tokens, not the kept ones", check=SWITCH_LOSS,
-          expect="the gate's loss is the after-drop formula",
+          expect="is fastmoe's after-drop formula by hand",
           library=(Edit("labutils/moe/capacity_gates.py", "(frac * probs.sum(0) / kept.numel())",
                         "(frac * probs.mean(0))"),),
           cells=(*TO_GATES, SWITCH_LOSS)),
@@ -116,4 +117,9 @@ FAULTS = [
           check=GRADER_CONTROL, expect="negative control: the grader on Switch's scores",
           edits=(Edit(GRADER_CONTROL, 'grade("my_moe_forward", source=SWITCH_SCORES)', 'grade("my_moe_forward")'),),
           cells=(SETUP, SOLUTION, GRADER_CONTROL)),
+    Fault("section 8's layer says it has no loss, so training never adds the Switch loss it computes",
+          check=TRAIN_CHECK, expect="balancing loss: loss below the zero-output control",
+          library=(Edit("labbook/checkers/ch01.py", "self.has_loss, self.loss, self.loads = True,",
+                        "self.has_loss, self.loss, self.loads = False,"),),
+          cells=(SETUP, SOLUTION, LOSS_SOLUTION, HARNESS, TRAIN, TRAIN_CHECK)),
 ]

@@ -3,10 +3,11 @@ from labbook.faults import Edit, Fault
 
 SETUP, BLOCK, COUNT, ROWS, COUNTS = "3d4ecedf", "2e3d4d6b", "9e79f2de", "a9357147", "6c673147"
 TRAIN, FELL, STATS, CONTROLS = "84d5fecd", "2833f35a", "de9d8d5e", "bf42dc93"
-BALANCE, GRAD, RUNS, VERDICT, CAPACITY = "19db49f0", "b5a1c0df", "78a37ae9", "b3adcb25", "d4c0eeaf"
+BALANCE, RUNDEF, GRAD, RUNS, VERDICT, CAPACITY = ("19db49f0", "b015f02c", "b5a1c0df", "78a37ae9", "b3adcb25",
+                                                  "d4c0eeaf")
 RESUME = "382c2bd8"
 
-SECTION5 = (SETUP, BALANCE, RUNS)   # the definitions and the fifteen runs the section's checks read
+SECTION5 = (SETUP, BALANCE, RUNDEF, RUNS)   # the definitions and the fifteen runs the section's checks read
 
 FAULTS = [
     # cell 4: the block against its own parts, ln1 and ln2 made to differ
@@ -31,6 +32,10 @@ FAULTS = [
     Fault("count_params files expert parameters under 'other'", check=COUNTS, expect="experts: count_params",
           library=(Edit("labutils/params.py", '            return "moe experts"', '            return "other"'),),
           cells=(SETUP, COUNT, ROWS, COUNTS)),
+    Fault("the 5 d^2 attention hypothesis is built with biases", check=COUNTS, expect="rounds to the book's 5.24M",
+          library=(Edit("labutils/models.py", '"5d2": dict(attn_bias=False, attn_extra_proj=True)',
+                        '"5d2": dict(attn_bias=True, attn_extra_proj=True)'),),
+          cells=(SETUP, COUNT, ROWS, COUNTS)),
     # cell 18: the loss falls, and no further than the floor
     Fault("the trainer never calls optimizer.step()", check=FELL, expect="the loss fell by at least 40%",
           library=(Edit("labutils/train.py", "        optimizer.step()\n    return task_value, aux_value",
@@ -46,30 +51,30 @@ FAULTS = [
           expect="small outputs that follow the targets",
           edits=(Edit(STATS, "var < 0.2 and abs(c) < 0.05, f\"output", "var < 0.2, f\"output"),),
           cells=(SETUP, TRAIN, STATS, CONTROLS)),
-    # the new cell of section 5: the balancing loss has a gradient path to the router
+    # cell 27: the balancing loss has a gradient path to the router
     Fault("GShardGate stores its balancing loss detached", check=GRAD, expect="gradient(alpha",
           library=(Edit("labutils/moe/capacity_gates.py",
                         "            self.set_loss((c_e * m_e).mean() * self.num_expert ** 2)",
                         "            self.set_loss(((c_e * m_e).mean() * self.num_expert ** 2).detach())"),),
-          cells=(SETUP, BALANCE, GRAD)),
+          cells=(SETUP, BALANCE, RUNDEF, GRAD)),
     Fault("the trainer adds the aux loss as a number (detached)", check=GRAD, expect="gradient(alpha",
           library=(Edit("labutils/train.py", "    loss = task + aux_coef * aux",
                         "    loss = task + aux_coef * aux.detach()"),),
-          cells=(SETUP, BALANCE, GRAD)),
+          cells=(SETUP, BALANCE, RUNDEF, GRAD)),
     Fault("GShardGate's balancing loss is E * mean(c m), not E^2 * mean(c m)", check=GRAD, expect="gradient(alpha",
           library=(Edit("labutils/moe/capacity_gates.py",
                         "            self.set_loss((c_e * m_e).mean() * self.num_expert ** 2)",
                         "            self.set_loss((c_e * m_e).mean() * self.num_expert)"),),
-          cells=(SETUP, BALANCE, GRAD)),
+          cells=(SETUP, BALANCE, RUNDEF, GRAD)),
     Fault("section 5's runs ignore their aux coefficient (the trainer's default for all)", check=GRAD,
           expect="gradient(alpha",
-          edits=(Edit(BALANCE, "steps=steps, lr=3e-3, aux_coef=coef,", "steps=steps, lr=3e-3,"),),
-          cells=(SETUP, BALANCE, GRAD)),
-    # cell 26: the full preset's record is section 5's
+          edits=(Edit(RUNDEF, "steps=steps, lr=3e-3, aux_coef=coef,", "steps=steps, lr=3e-3,"),),
+          cells=(SETUP, BALANCE, RUNDEF, GRAD)),
+    # cell 29: the full preset's record is section 5's
     Fault("the 'full' record was written by the tiny preset", check=VERDICT, expect="the full-preset record",
           library=(Edit("benchmarks/results/balance_cut_vs_loss_full.json", '"preset": "full"', '"preset": "tiny"'),),
           cells=(*SECTION5, VERDICT)),
-    # cell 30: the cut, against the stated capacity computed by hand, and the demand recorder
+    # cell 35: the cut, against the stated capacity computed by hand, and the demand recorder
     Fault("fastmoe's GShard capacity is one slot too large", check=CAPACITY,
           expect="the gate's capacity is the stated formula's",
           library=(Edit("labutils/moe/capacity.py", "    return math.ceil(factor * num_tokens) * top_k // tot_expert\n",
@@ -81,7 +86,7 @@ FAULTS = [
     Fault("the demand recorder counts first choices only", check=CAPACITY, expect="recorded demand = the load",
           edits=(Edit(BALANCE, "logits.detach().topk(self.k, dim=-1)", "logits.detach().topk(1, dim=-1)"),),
           cells=(*SECTION5, CAPACITY)),
-    # cell 35: resume
+    # cell 40: resume
     Fault("a checkpoint's RNG state is not restored on resume", check=RESUME, expect="resume reproduces",
           library=(Edit("labutils/checkpoint.py",
                         '    data.load_state_dict(state["data"])\n    _set_rng_state(state["rng"])',

@@ -101,8 +101,8 @@ FAULTS = [
                         '    if False:   # the gated dense model'),),
           cells=SECTION7),
     Fault("per-layer load numbers taken from the sum over layers", check=ABLATIONS, expect="layer by layer",
-          edits=(Edit(ABLATIONS, "    busiest = {n: lm_study.busiest_over_mean(full, n)[0] for n in",
-                      "    busiest = {n: [float(lm_study.load_shares(full, n, seed0)[-8:].mean(0).max()) * 8] * 2 "
+          edits=(Edit(ABLATIONS, "    busiest = {n: plots.busiest_over_mean(full, n)[0] for n in",
+                      "    busiest = {n: [float(plots.load_shares(full, n, seed0)[-8:].mean(0).max()) * 8] * 2 "
                       "for n in"),),
           cells=(*SECTION7, ABLATIONS)),
     Fault("busiest_over_mean adds the layers before taking the busiest expert", check=ABLATIONS,

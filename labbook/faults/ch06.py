@@ -16,6 +16,7 @@ MISTAKES, UNCAUGHT, DETAIL, PLAIN = "f2bf5df4", "c512e47f", "a4f175c0", "3abca88
 
 EP = "labutils/moe/expert_parallel.py"
 TRAFFIC = "labutils/moe/traffic.py"
+FAILURES = "labutils/launcher/_failures.py"
 DISPATCH = "    x_recv = all_to_all(x_sorted, recv, send, group, check=False)"
 EIGHT_CELLS = (SETUP, PARITY_JOB, BOOK_JOB, TRAFFIC_JOB, EIGHT)
 WIRE_CELLS = (*EIGHT_CELLS, MATRIX, WIRE)
@@ -119,7 +120,7 @@ FAULTS = [
     Fault("'router unreduced' zeroes the router's gradient instead of keeping the local one", check=ROUTER,
           expect="a missing router reduction shrinks as the batch grows",
           library=(Edit("labbook/ep_bugs.py", "            g.copy_(s)", "            g.zero_()"),),
-          cells=(SETUP, ROUTER)),
+          cells=(SETUP, BUG_JOB, ROUTER)),           # the batch sizes are measured in bug_job's EP = 2 launch
     # -- 6. three ways to move tokens ---------------------------------------------------------------------------------
     Fault("every design's training step runs the forward twice (its bytes grow, its gradients do not)", check=LIVE,
           expect="each design sent its rows plus",
@@ -138,15 +139,15 @@ FAULTS = [
           cells=(SETUP, MISTAKES)),
     Fault("launch's error names only the first failing rank", check=UNCAUGHT,
           expect="both ranks raised ExpertParallelMismatch",
-          library=(Edit("labutils/_failures.py", "        if others:", "        if False:"),),
+          library=(Edit(FAILURES, "        if others:", "        if False:"),),
           cells=(SETUP, MISTAKES, UNCAUGHT)),
     Fault("the debug setting misspelt (INFO instead of DETAIL)", check=DETAIL,
           expect="DETAIL names the mismatched collectives",
           edits=(Edit(DETAIL, '{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}', '{"TORCH_DISTRIBUTED_DEBUG": "INFO"}'),),
-          cells=(SETUP, MISTAKES, DETAIL)),
+          cells=(SETUP, MISTAKES, UNCAUGHT, DETAIL)),     # UNCAUGHT defines launch_error
     Fault("a launch that times out reports empty stacks", check=PLAIN,
           expect="shows rank 0 waiting in the agreement check",
-          library=(Edit("labutils/_failures.py", "stacks[rank] = _read(path).strip() if",
+          library=(Edit(FAILURES, "stacks[rank] = _read(path).strip() if",
                         "stacks[rank] = _read(path).strip()[:0] if"),),
-          cells=(SETUP, MISTAKES, PLAIN)),
+          cells=(SETUP, MISTAKES, UNCAUGHT, PLAIN)),
 ]
