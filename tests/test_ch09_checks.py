@@ -43,3 +43,20 @@ def test_chapter_09_reads_its_record_from_the_repository_not_the_working_directo
     code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
     assert "../benchmarks" not in code and 'records.load(RECORD)' in code
     assert "reference_modern_moe" not in code          # the parity reference is written in the chapter
+
+
+def test_chapter_09_teaches_each_idea_before_checking_them_all_against_the_reference():
+    """Issue 39: sections 2-7 show one switch each; the parity cell (every switch against the token-by-token
+    reference) follows them, in its own section, before the training."""
+    import json
+    import pathlib
+
+    nb = json.loads((pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "09_modern_moe.ipynb").read_text())
+    ids = [c.get("id") for c in nb["cells"]]
+    heads = {"".join(c["source"]).split("\n")[0]: i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "markdown"
+             and "".join(c["source"]).startswith("## ")}
+    at = {h.split(".")[0][3:]: i for h, i in heads.items() if h[3:4].isdigit()}
+    assert list(at) == [str(n) for n in range(1, 11)], list(heads)
+    parity, reference = ids.index("e6eb5964"), ids.index("a1c09e7f")
+    assert at["7"] < at["8"] < reference < parity < at["9"]
+    assert "reference" in next(h for h, i in heads.items() if i == at["8"])

@@ -5,23 +5,23 @@ written from the stated formulas, so a bug in the layer's own helpers (a capacit
 """
 from labbook.faults import Edit, Fault
 
-SETUP, REF, REF_AUX, PARITY, ROUTE, BIAS, BOUND, ZLOSS, LEAK, GROUPED = (
-    "ee970165", "a1c09e7f", "b2d09f3e", "e6eb5964", "997c5184", "04c7ad80", "e5a09c7b", "cc278a50", "68ea03eb",
-    "030927cf")
+SETUP, REF, REF_AUX, PARITY, ROUTE, BIAS_DEFS, BIAS, BOUND, ZLOSS, LEAK, GROUPED = (
+    "ee970165", "a1c09e7f", "b2d09f3e", "e6eb5964", "997c5184", "c2c88b17", "04c7ad80", "e5a09c7b", "cc278a50",
+    "68ea03eb", "030927cf")
 POOLS, ACTIVE, TRAIN, ROWS, LIVE, LIVE2, PREFIX, RECORD, VERDICTS = (
     "85316491", "8b5246ab", "9e3c5199", "060cd098", "f6174ea9", "c3e09a5d", "d4f09b6c", "854ec5e1", "cbd8c132")
 
-P = (SETUP, REF, REF_AUX, PARITY)            # the parity check and the reference it needs
+P = (SETUP, REF, REF_AUX, PARITY)            # section 8's parity check and the reference it needs
 MATCH = "match the reference"
 MODERN = "labutils/moe/modern/"
 ROUTERS, LAYER, LOSSES = MODERN + "routers.py", MODERN + "layer.py", MODERN + "losses.py"
 CAPACITY, AUX_FREE, EXPERTS = "labutils/moe/capacity.py", MODERN + "aux_free.py", MODERN + "experts.py"
-RUNNER = "labbook/train_modern.py"
+RUNNER, REPORT = "labbook/train_modern.py", "labbook/reports/ch09.py"
 
 FAULTS = [
     Fault("a knob of the presets left undocumented", check=SETUP, expect="every preset knob is described",
-          edits=(Edit(SETUP, '"lr": "Adam learning rate",', ""),), cells=(SETUP,)),
-    # --- cell 3: output, router loss and gradients against a reference written from the formulas -------------
+          library=(Edit(REPORT, '"lr": "Adam learning rate",', ""),), cells=(SETUP,)),
+    # --- section 8: output, router loss and gradients against a reference written from the formulas ----------
     Fault("the router's weights are detached (no gradient reaches the router from the task)", check=PARITY,
           expect=MATCH, cells=P,
           library=(Edit(ROUTERS, "return idx, w.to(x.dtype), s", "return idx, w.detach().to(x.dtype), s"),)),
@@ -53,14 +53,14 @@ FAULTS = [
     Fault("the aux-free bias moves toward the busiest expert (sign flipped)", check=BIAS,
           expect="busiest expert below half the tokens",
           library=(Edit(AUX_FREE, "torch.sign(counts.mean() - counts)", "torch.sign(counts - counts.mean())"),),
-          cells=(SETUP, BIAS)),
+          cells=(SETUP, BIAS_DEFS, BIAS)),
     Fault("the aux-free bias update is never written back (the bias never moves)", check=BIAS,
           expect="busiest expert below half the tokens",
           library=(Edit(AUX_FREE, "bias.copy_(bias_update(bias, counts, rate, center))",
-                        "bias = bias_update(bias, counts, rate, center)"),), cells=(SETUP, BIAS)),
+                        "bias = bias_update(bias, counts, rate, center)"),), cells=(SETUP, BIAS_DEFS, BIAS)),
     Fault("the balancing loss 2x too large, seen on a perfectly balanced batch", check=BOUND,
           expect="balancing loss of a perfectly balanced batch = 1",
-          library=(Edit(LOSSES, "* (E / (k * L))", "* (E / L)"),), cells=(SETUP, BIAS, BOUND)),
+          library=(Edit(LOSSES, "* (E / (k * L))", "* (E / L)"),), cells=(SETUP, BIAS_DEFS, BIAS, BOUND)),
     Fault("zero_grad() after backward(): the z-loss never moves the router", check=ZLOSS,
           expect="the z-loss shrinks the router logits",
           edits=(Edit(ZLOSS, "    opt.zero_grad()\n    r.get_loss().backward()\n",
