@@ -31,10 +31,10 @@ def runtime(chapter: str) -> str:
 
 
 def ch05() -> str:
-    from labbook import lm_study
+    from labbook.lm_study import summary
 
     rec = _load("moe_vs_dense_full.json")
-    s = lm_study.summarize(rec)
+    s = summary.summarize(rec)
     c, sp, eq = s["moe_vs_dense"], s["speedup"], s["equal_time"]["comparison"]
     seeds = s["seeds"]["MoE"]
     steps = rec["config"].get("steps", "?")
@@ -42,17 +42,17 @@ def ch05() -> str:
            f"{c.mean_b:.3f} nats, {c.verdict} (Welch p = {c.p:.3f}, Holm over {c.family} tests)")
     if sp["t_ci"] is not None:
         out += (f"; dense needs {sp['mean']:.2f}× the steps (95% t-interval [{sp['t_ci'][0]:.2f}, "
-                f"{sp['t_ci'][1]:.2f}]: the 1.3× target is {lm_study.target_verdict(sp, 1.3)})")
+                f"{sp['t_ci'][1]:.2f}]: the 1.3× target is {summary.target_verdict(sp, 1.3)})")
     if eq is not None:
         out += f"; at equal CPU time MoE is {eq.relation()} (p = {eq.p:.3f})"
     return out
 
 
 def bench_moe_vs_dense() -> str:
-    from labbook import lm_study
+    from labbook.lm_study import summary
 
     rec = _load("moe_vs_dense_full.json")
-    s = lm_study.summarize(rec)
+    s = summary.summarize(rec)
     f = s["final"]
     w, mw = s["moe_vs_dense"], s["moe_vs_wide"]
     finals = ", ".join(f"{n} {f[n][0]:.3f} ± {f[n][1]:.3f}" for n in ("MoE", "dense", "dense-wide"))
@@ -63,7 +63,7 @@ def bench_moe_vs_dense() -> str:
     if eq is not None:
         out += f"; at equal CPU seconds MoE is {eq.relation()} (p = {eq.p:.2g})"
     if "data_limited" in rec:
-        dl = lm_study.summarize(rec["data_limited"])
+        dl = summary.summarize(rec["data_limited"])
         out += (f"; data-limited control ({rec['data_limited']['config']['train_chars']:,} characters): MoE vs dense "
                 f"{dl['moe_vs_dense'].verdict}, dense-wide vs dense {dl['wide_vs_dense'].verdict}")
     return out
