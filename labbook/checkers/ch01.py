@@ -248,7 +248,7 @@ def train_arm(moe_forward, switch_loss, build: dict, corpus, seed: int, aux: flo
     opt = torch.optim.Adam([dict(params=rest), dict(params=router, lr=3e-3 * b["router_lr"])], lr=3e-3)
     res = train(lm, CharBatches(corpus.train, b["batch"], b["block"], seed=seed), steps=b["steps"], optimizer=opt,
                 loss_fn=lm_cross_entropy, aux_coef=aux, record_load=False, progress=False)
-    return sum(res.losses[-20:]) / 20, torch.stack(lm.blocks[0].ffn.loads)
+    return sum(res.losses[-20:]) / 20, torch.stack(lm.blocks[0].ffn.loads)  # pyright: ignore[reportArgumentType, reportAttributeAccessIssue]
 
 
 def train_arms(moe_forward, switch_loss, build: dict) -> dict:

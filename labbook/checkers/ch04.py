@@ -72,7 +72,7 @@ def deepspeed_step_l_aux(x, router_weight, micro_batches):
     and added up, as ``engine.backward`` scales each micro-batch's loss before its gradient accumulates."""
     layer = _moe_layer(x.shape[-1], router_weight.shape[0])
     with torch.no_grad():
-        layer.deepspeed_moe.gate.wg.weight.copy_(router_weight)
+        layer.deepspeed_moe.gate.wg.weight.copy_(router_weight)  # pyright: ignore[reportCallIssue, reportAttributeAccessIssue]
         per_call = [layer(xb)[1] for xb in x.chunk(micro_batches)]             # one gate call per micro-batch
     return torch.stack(per_call).sum() / micro_batches
 

@@ -9,6 +9,7 @@ phases (:func:`breakdown`), the all-to-all and its fit (:func:`comm`) and a trai
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullLocator
 
 from .breakdown import PHASES, judge_overhead
 from .dispatch import DESIGNS
@@ -41,7 +42,7 @@ def ratio_axes(ax, rows, x, designs=RATIO_DESIGNS, target=None, title=""):
         ax.axhline(target, color="r", ls=":", lw=1, label=f"target {target}")
     ax.set(xscale="log", xlabel=x.replace("_", " "), ylabel="dense time / design time\n(paired median)", title=title)
     ax.set_xticks(sorted({r[x] for r in rows}), [f"{v:g}" for v in sorted({r[x] for r in rows})])
-    ax.xaxis.set_minor_locator(plt.NullLocator())
+    ax.xaxis.set_minor_locator(NullLocator())
 
 
 def live_sweep(rows, title):
@@ -90,7 +91,7 @@ def matmul(mm):
     ax.set(xscale="log", xlabel="rows per expert m", ylabel="GFLOP/s",
            title=f"matmul, d={mm['d_model']} h={mm['d_hidden']}")
     ax.set_xticks(rows, [f"{m:g}" for m in rows], fontsize=7, rotation=45)
-    ax.xaxis.set_minor_locator(plt.NullLocator())
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.legend(fontsize=7, loc="lower right")
     return fig
 
@@ -191,7 +192,7 @@ def step_phases(grouped: dict, title: str):
     fig, ax = plt.subplots(figsize=(8.5, 2.6), dpi=100)
     models = list(grouped)
     left = dict.fromkeys(models, 0.0)
-    colors = plt.get_cmap("tab10").colors
+    colors = [plt.get_cmap("tab10")(i) for i in range(10)]
     for i, name in enumerate(grouped[models[-1]]):
         for row, m in enumerate(models):
             w = grouped[m].get(name, 0.0)
