@@ -56,14 +56,6 @@ def test_codes_and_limits():
     assert torch.float32 in DTYPES and torch.bool in DTYPES and torch.int8 in DTYPES
 
 
-def test_require_process_group_without_one():
-    with pytest.raises(RuntimeError) as info:
-        require_process_group()
-    assert str(info.value) == ("this collective needs a process group, but torch.distributed is not initialised: run "
-                               "it inside labutils.launch(...) workers, or call torch.distributed.init_process_group "
-                               "first")
-    with pytest.raises(RuntimeError, match=r"^the thing needs a process group"):
-        require_process_group(None, 2, what="the thing")
 
 
 def test_dtype_codes_round_trip_and_unknown_codes_read_as_placeholders():

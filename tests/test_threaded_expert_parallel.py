@@ -174,9 +174,6 @@ def test_counts_that_do_not_fit_the_rows_are_refused():
                                       "rows of x_sorted; got [1, 1, 1]")
 
 
-def test_exchange_without_a_process_group():
-    with pytest.raises(RuntimeError, match=r"^expert-parallel exchange needs a process group"):
-        exchange_and_run(Tagger(1), torch.zeros(1, D), torch.tensor([1]))
 
 
 # ---- the agreement check ----------------------------------------------------------------------------------------
@@ -380,13 +377,6 @@ def _fmoe_world_size_check():
     return caught(lambda: FMoE(1, D, world_size=3, expert=lambda d: nn.Linear(d, d)))
 
 
-def test_fmoe_world_size_must_be_the_groups():
-    assert run_ranks(_fmoe_world_size_check, 2) == [
-        ("ValueError", "FMoE(world_size=3) spreads its experts over 3 processes: world_size=3, but the process group "
-                       "has 2 ranks")] * 2
-    with pytest.raises(RuntimeError, match=r"^FMoE\(world_size=2\) spreads its experts over 2 processes needs a "
-                                           r"process group"):
-        FMoE(1, D, world_size=2, expert=lambda d: nn.Linear(d, d))
 
 
 def _fused_parity(full_state, xs, kind):
@@ -503,3 +493,88 @@ def test_nested_inputs_across_ranks_equal_the_local_layer():
         assert sorted(got[r]) == ["x", "y"]
         for key in ("x", "y"):
             assert_close(got[r][key], want[key], atol=1e-5, rtol=1e-5)
+
+
+# ---- more of the exchange's contract ------------------------------------------------------------------------------
+def test_local_order_keeps_each_sources_rows_in_order_in_big_blocks():
+    counts = [40, 30, 20, 50]                                          # 2 sources x 2 local experts, 140 rows
+    tags = [(src, e, j) for src in range(2) for e in range(2) for j in range(counts[2 * src + e])]
+    perm = local_order(torch.tensor(counts), num_expert=2)
+    assert [tags[i] for i in perm.tolist()] == sorted(tags, key=lambda t: (t[1], t[0]))   # stable: j ascending
+
+
+def test_layer_id_of_a_layer_without_the_attribute():
+    class Bare:
+        num_expert = 1
+
+    bare = Bare()
+    first = layer_id(bare)
+    assert first >= 1_000_000 and layer_id(bare) == first
+
+
+def test_shard_state_renumbers_bare_list_entries():
+    state = {"experts.0": torch.zeros(1), "experts.3": torch.full((1,), 3.0), "moe.experts.2": torch.full((1,), 2.0)}
+    assert {k: v.item() for k, v in shard_state(state, rank=1, num_expert=2).items()} == {"experts.1": 3.0,
+                                                                                          "moe.experts.0": 2.0}
+
+
+def _count(monkeypatch):
+    calls = []
+    for name in ("all_gather", "all_to_all_single", "all_gather_object"):
+        real = getattr(dist, name)
+
+        def wrapper(*args, _real=real, _name=name, **kwargs):
+            if dist.get_rank() == 0:
+                calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(dist, name, wrapper)
+    return calls
+
+
+def _exchange_calls(check):
+    rank = dist.get_rank()
+    layer = Tagger(1)
+    x = torch.full((2, D), rank + 1.0)
+    kwargs = {} if check is None else {"check": check}
+    return exchange_and_run(layer, x, torch.tensor([1, 1]), **kwargs)[:, 0].tolist()
+
+
+@pytest.mark.parametrize("check, want", [
+    (None, ["all_gather", "all_to_all_single", "all_to_all_single", "all_to_all_single"]),   # checked by default
+    (True, ["all_gather", "all_to_all_single", "all_to_all_single", "all_to_all_single"]),
+    (False, ["all_to_all_single", "all_to_all_single", "all_to_all_single"]),               # counts, rows, back
+])
+def test_the_exchange_costs_one_small_gather_and_three_all_to_alls(monkeypatch, check, want):
+    calls = _count(monkeypatch)
+    # rank r's row for expert g comes back times g + 1
+    assert run_ranks(_exchange_calls, 2, check) == [[1.0, 2.0], [2.0, 4.0]]
+    assert calls == want
+
+
+def _layer_without_a_group():
+    class NoGroup:
+        num_expert, layer_id = 1, 0
+
+        def run_experts(self, x, counts):
+            return x * 2
+
+    return exchange_and_run(NoGroup(), torch.ones(2, D), torch.tensor([1, 1]))[:, 0].tolist()
+
+
+def test_a_layer_without_moe_group_uses_every_rank():
+    assert run_ranks(_layer_without_a_group, 2) == [[2.0, 2.0]] * 2
+
+
+def _disagree_in_a_group():
+    sub = dist.new_group([0, 2])
+    rank = dist.get_rank()
+    if rank == 1:
+        return None
+    layer = Tagger(1 + (rank == 2), group=sub)
+    return caught(lambda: check_agreement(layer, torch.zeros(1, D), torch.tensor([1, 1]), sub))
+
+
+def test_the_speaking_rank_is_its_rank_in_the_group():
+    got = run_ranks(_disagree_in_a_group, 3)
+    assert got[2] == ("ExpertParallelMismatch", HEAD.format(1) + "num_expert: rank 0=1, rank 1=2")
+    assert got[0] == ("ExpertParallelMismatch", HEAD.format(0) + "num_expert: rank 0=1, rank 1=2")
