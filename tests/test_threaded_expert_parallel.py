@@ -578,3 +578,43 @@ def test_the_speaking_rank_is_its_rank_in_the_group():
     got = run_ranks(_disagree_in_a_group, 3)
     assert got[2] == ("ExpertParallelMismatch", HEAD.format(1) + "num_expert: rank 0=1, rank 1=2")
     assert got[0] == ("ExpertParallelMismatch", HEAD.format(0) + "num_expert: rank 0=1, rank 1=2")
+
+
+# ---- slice groups that are not the whole world ------------------------------------------------------------------
+def _pairs(full_state, xs, ep, alias, masked):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    mask = mask_dict = None
+    if masked:
+        mask, mask_dict = torch.tensor([0, 1, 0, 2, 0]), {1: torch.ones(D), 2: torch.full((2, D), 3.0)}
+    kw = {"mp_group" if alias else "slice_group": pair}
+    layer = FMoETransformerMLP(2, D, 6, top_k=2, world_size=world if ep else 1, mask=mask, mask_dict=mask_dict, **kw)
+    assign_layer_ids(layer)
+    layer.load_state_dict(shard_state(full_state, rank, 2) if ep else full_state)
+    x = xs[rank // 2].clone().requires_grad_()                        # the pair's shared batch
+    y = layer(x)
+    y.pow(2).sum().backward()
+    return y.detach(), x.grad, (layer.slice_size, layer.slice_rank)
+
+
+@pytest.mark.parametrize("ep, alias, masked", [(True, False, False), (False, True, False), (False, False, True),
+                                               (True, False, True)])
+def test_slice_groups_of_two_in_four_ranks(ep, alias, masked):
+    torch.manual_seed(0)
+    mask = mask_dict = None
+    if masked:
+        mask, mask_dict = torch.tensor([0, 1, 0, 2, 0]), {1: torch.ones(D), 2: torch.full((2, D), 3.0)}
+    full = FMoETransformerMLP(2 * (4 if ep else 1), D, 6, top_k=2, mask=mask, mask_dict=mask_dict)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(5, D, generator=g) for _ in range(2)]           # one batch per pair
+    got = run_ranks(_pairs, 4, full.state_dict(), xs, ep, alias, masked)
+    for rank in range(4):
+        x = xs[rank // 2].clone().requires_grad_()
+        y = full(x)
+        y.pow(2).sum().backward()
+        assert_close(got[rank][0], y.detach())
+        assert_close(got[rank][1], x.grad)                             # each pair's loss is its whole batch's
+        assert got[rank][2] == (2, rank % 2)                            # size and rank within the pair
+
+

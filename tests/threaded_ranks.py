@@ -12,7 +12,9 @@ them and autograd through them run in the test's own process, in a few milliseco
 
 What it is not: the threaded group copies tensors between threads; it has no wire, no gloo framing, no timeouts
 or SIGABRT of its own, and ranks that call DIFFERENT collectives at once are paired anyway (garbage, or an error
-on rank 0) instead of hanging or aborting as gloo does. The real gloo tests (marked ``dist``: tests/test_dist.py,
+on rank 0) instead of hanging or aborting as gloo does; rank 0 does the copying of every collective, so data that
+does not fit (shapes, split sizes) raises there, and when the test catches that error the other ranks wait for the
+timeout. The real gloo tests (marked ``dist``: tests/test_dist.py,
 test_moe_parallel.py, test_data_parallel.py, test_fastmoe_dist.py, test_bad_input_ranks.py) stay the reference
 for the wire, for what gloo does with mismatched calls and for the launcher; these tests cover the same
 behaviour in-process. State that is per process with W processes is shared by W threads here (torch's global
