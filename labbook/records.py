@@ -54,6 +54,14 @@ def load(name: str) -> dict:
     return json.loads(p.read_text())
 
 
+def load_optional(name: str) -> dict | None:
+    """The record ``name`` as a dict, or None when it has not been recorded (no such file under
+    benchmarks/results/): for records only some machines can make, such as ``gpu_layer.json`` (a CUDA GPU), which
+    a chapter shows when present and says plainly it lacks when not."""
+    p = path(name)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
 def changed(record: dict) -> list | None:
     """Files of the record's fingerprint whose source differs now (or is gone); None without a fingerprint."""
     code = record.get("code")

@@ -49,7 +49,8 @@ def _layer_stats(layers: list[ModernMoE], window: int) -> dict:
     share, per-step logit RMS (layer mean)."""
     if not layers:
         return {}
-    per_layer = [torch.stack([h["counts"] for h in m.history]) for m in layers]    # L x (steps, E)
+    read = [m.read_history() for m in layers]                                     # one host read per layer
+    per_layer = [torch.stack([h["counts"] for h in hist]) for hist in read]       # L x (steps, E)
     steps = per_layer[0].shape[0]
     batch = [per_batch_balance(c) for c in per_layer]                             # L x ((steps,), (steps,))
     n = max(1, steps // window)
@@ -63,9 +64,9 @@ def _layer_stats(layers: list[ModernMoE], window: int) -> dict:
     return dict(max_over_mean=mm, entropy=ent,
                 batch_max_over_mean=torch.stack([b[0] for b in batch]).mean(0).float(),
                 batch_min_over_mean=torch.stack([b[1] for b in batch]).mean(0).float(),
-                dropped=sum(h["dropped"] for m in layers for h in m.history) / (steps * len(layers)),
-                logit_rms=torch.tensor([[h["logit_rms"] for h in m.history] for m in layers]).mean(0),
-                lse2=torch.tensor([[h["lse2"] for h in m.history] for m in layers]).mean(0))
+                dropped=sum(h["dropped"] for hist in read for h in hist) / (steps * len(layers)),
+                logit_rms=torch.tensor([[h["logit_rms"] for h in hist] for hist in read]).mean(0),
+                lse2=torch.tensor([[h["lse2"] for h in hist] for hist in read]).mean(0))
 
 
 def prefix_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> float:

@@ -128,6 +128,8 @@ DEPRECATED = {
     **_moved_names("labbook.lm_study", "labbook.lm_study.summary", "Curve ablation_comparisons ablation_lines curves "
                    "loss_at seed_bootstrap steps_to_reach summarize target_met target_verdict verdict_lines"),
     **_moved_names("labbook.grader", "labbook.grader.catalog", "ENTRIES entry"),  # `grade` is the package's face
+    **_moved_names("moe.modern.experts", "moe.backends", "grouped_mm_available grouped_matmul loop_matmul"),
+    "moe.modern.experts.IMPLS": Shim("moved", ("moe.backends.EXPERT_BACKENDS",), "0.3.0", "1.0.0"),
     **_moved_names("labbook.perf.dispatch", "labbook.perf.problem", "Problem DispatchOut make_problem route "
                                                                     "expert_mlp fwd_bwd"),
     **_moved_names("labbook.perf.dispatch", "labbook.perf.real_layers", "core CoreMoE DeepSpeedMoE fastmoe "

@@ -321,18 +321,18 @@ def test_fault_silent_drop_above_a_size_fails_the_timed_sweep(monkeypatch):
 def test_core_counts_rows_where_the_experts_run(monkeypatch):
     """kept/rows come from expert_fn's input and output, not the gate: rows lost between the gate and the
     experts show (negative control: a scatter that loses the last row)."""
-    import labutils.moe.layers as layers
+    import labutils.moe.dispatch as dispatcher
 
     p = make_problem(tokens=32, d_model=8, d_hidden=16, num_expert=4, top_k=2, limits=False)
     assert build_designs(p, ["core"])["core"](p)[1:3] == (64, 64)
-    real_count = layers.count_by_gate
+    real_count = dispatcher.count_by_gate
 
-    def losing(idx, E, world_size=1):
-        pos, counts = real_count(idx, E, world_size)
+    def losing(idx, E, world_size=1, keep_dropped=False):
+        pos, counts = real_count(idx, E, world_size, keep_dropped)
         counts = counts.clone()
         counts[-1] -= 1                                                           # the last expert loses a row
         return pos[:-1], counts
-    monkeypatch.setattr(layers, "count_by_gate", losing)
+    monkeypatch.setattr(dispatcher, "count_by_gate", losing)
     out = build_designs(p, ["core"])["core"](p)
     assert out.kept == 63 and out.rows == 63
 

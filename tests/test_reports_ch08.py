@@ -279,3 +279,74 @@ def test_a_missing_key_is_named(fn, key):
         fn(R)
     with pytest.raises(TypeError, match="results dict"):
         fn([])
+
+
+# benchmarks/gpu_layer.py's record, trimmed to what chapter 08 shows (synthetic: no GPU has written one here)
+GPU_RECORD = {
+    "benchmark": "gpu_layer", "preset": "issue", "device": "cuda:0", "gpu": "NVIDIA H100 80GB HBM3", "smoke": False,
+    "versions": {"torch": "2.13.0+cu128", "cuda": "12.8",
+                 "fastmoe": {"available": True, "commit": "a1b2c3d", "version": "1.1.0", "why": None}},
+    "machine": {"date": "2026-12-01T10:00:00"},
+    "timing": {"clock": "CUDA events", "warmup": 3, "rounds": 7},
+    "target": {"speed": 0.8, "lab_row": "lab FMoETransformerMLP", "grouped_row": "grouped GEMM, pre-grouped (limit)"},
+    "results": [
+        {"shape": {"T": 16384, "d": 1024, "h": 4096, "E": 8, "k": 2}, "dtype": "bf16", "grouped_ms": 4.0,
+         "lab_ms": 4.5, "lab_over_grouped": 1.125,
+         "verdict": {"speed": 0.8888888888888888, "lab_over_grouped": 1.125, "target": 0.8, "met": True,
+                     "verdict": "met"},
+         "parity": {"max_abs_diff": 0.0078125, "max_abs_output": 3.1}},
+        {"shape": {"T": 32768, "d": 2048, "h": 1408, "E": 64, "k": 6}, "dtype": "fp32", "grouped_ms": 40.0,
+         "lab_ms": 45.0, "lab_over_grouped": 1.125,
+         "verdict": {"speed": 0.8888888888888888, "lab_over_grouped": 1.125, "target": 0.8, "met": True,
+                     "verdict": "met"},
+         "parity": {"max_abs_diff": 2.4e-06, "max_abs_output": 3.0}},
+        {"shape": {"T": 4096, "d": 512, "h": 2048, "E": 16, "k": 2}, "dtype": "bf16", "grouped_ms": None,
+         "lab_ms": None, "lab_over_grouped": None, "verdict": None,
+         "why_no_verdict": "lab FMoETransformerMLP: OutOfMemoryError: CUDA out of memory",
+         "parity": {"max_abs_diff": None, "why": "not compared"}},
+    ],
+}
+
+
+def test_gpu_record_says_plainly_when_there_is_none():
+    said = ch08.gpu_record(None)
+    assert said == ("No GPU record yet: run `python benchmarks/gpu_layer.py` on a machine with a CUDA GPU; the book "
+                    "has not measured the GPU rows.")
+    assert "|" not in said
+    with pytest.raises(TypeError, match="or None"):
+        ch08.gpu_record([])
+    with pytest.raises(KeyError, match="results"):
+        ch08.gpu_record({k: v for k, v in GPU_RECORD.items() if k != "results"})
+
+
+def test_gpu_record_table_names_device_and_versions():
+    said = ch08.gpu_record(GPU_RECORD)
+    assert said.startswith("**The layer on a GPU** (`benchmarks/gpu_layer.py --preset issue`, 2026-12-01T10:00:00): "
+                           "NVIDIA H100 80GB HBM3, torch 2.13.0+cu128, CUDA 12.8, fastmoe a1b2c3d.")
+    assert "median of 7 interleaved rounds (CUDA events)" in said and "at >= 0.80 of the grouped-GEMM limit" in said
+    assert "| shape | dtype | grouped ms | lab ms | grouped / lab | verdict |" in said
+    assert "| T16384 d1024 h4096 E8 k2 | bf16 | 4.00 | 4.50 | 0.89 | met |" in said
+    assert "| T32768 d2048 h1408 E64 k6 | fp32 | 40.00 | 45.00 | 0.89 | met |" in said
+    assert "| T4096 d512 h2048 E16 k2 | bf16 | - | - | - | not measured (lab FMoETransformerMLP: OutOfMemoryError" \
+        in said
+    assert "Met at 2 of 3 shape/dtype pairs, NOT met at 0." in said
+    assert "largest output difference: 7.8e-03 (bf16), 2.4e-06 (fp32)." in said
+    assert "smoke run" not in said and "No GPU record" not in said
+
+
+def test_gpu_record_flipped_verdict_and_smoke_run():
+    flip = copy.deepcopy(GPU_RECORD)
+    flip["results"][0].update(lab_ms=8.0, lab_over_grouped=2.0)
+    flip["results"][0]["verdict"].update(speed=0.5, lab_over_grouped=2.0, met=False, verdict="NOT met")
+    said = ch08.gpu_record(flip)
+    assert "| T16384 d1024 h4096 E8 k2 | bf16 | 4.00 | 8.00 | 0.50 | NOT met |" in said
+    assert "Met at 1 of 3 shape/dtype pairs, NOT met at 1." in said
+    smoke = copy.deepcopy(GPU_RECORD)
+    smoke.update(smoke=True, gpu=None, device="cpu")
+    smoke["versions"].update(cuda=None, fastmoe={"available": False, "commit": None})
+    for e in smoke["results"]:
+        e["parity"] = {"max_abs_diff": None, "why": "fastmoe not importable: no fmoe"}
+    said = ch08.gpu_record(smoke)
+    assert "): cpu, torch 2.13.0+cu128, CUDA none, fastmoe not installed." in said
+    assert "**This record is a CPU smoke run of the machinery, not a GPU measurement.**" in said
+    assert "Real fastmoe was not compared (fastmoe not importable: no fmoe)." in said

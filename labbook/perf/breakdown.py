@@ -21,7 +21,8 @@ __all__ = ["PHASES", "labelled_core_steps", "core_breakdown", "judge_overhead", 
            "format_breakdown"]
 
 PHASES = ("routing", "dispatch", "expert compute", "combine")
-# FMoE.forward's named steps (labutils/moe/layers.py) and the phase each belongs to
+# FMoE.forward's named steps (its methods in labutils/moe/layers.py, the rest called by the dispatcher,
+# labutils/moe/dispatch.py) and the phase each belongs to
 _CORE_STEPS = {"route": "routing", "count_by_gate": "routing", "scatter": "dispatch",
                "expert_exchange": "expert compute", "gather": "combine", "combine": "combine",
                "gather_combine": "combine"}
@@ -31,12 +32,12 @@ _CORE_STEPS = {"route": "routing", "count_by_gate": "routing", "scatter": "dispa
 def labelled_core_steps():
     """Wrap each named step of the core's ``FMoE.forward`` in ``torch.profiler.record_function(phase)``.
 
-    The core is not edited: its module-level step functions and its two step methods are swapped for labelled
-    wrappers for the duration of the block, then restored.
+    The core is not edited: the dispatcher's step functions and the layer's two step methods are swapped for
+    labelled wrappers for the duration of the block, then restored.
     """
     from torch.profiler import record_function
 
-    from labutils.moe import layers
+    from labutils.moe import dispatch, layers
 
     def labelled(fn, phase):
         @functools.wraps(fn)
@@ -47,7 +48,7 @@ def labelled_core_steps():
 
     saved = {}
     for name, phase in _CORE_STEPS.items():
-        owner = layers.FMoE if name in ("route", "expert_exchange") else layers
+        owner = layers.FMoE if name in ("route", "expert_exchange") else dispatch
         saved[(owner, name)] = getattr(owner, name)
         setattr(owner, name, labelled(getattr(owner, name), phase))
     try:

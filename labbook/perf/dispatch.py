@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from labutils._deprecate import forward_moved
+from labutils.moe.backends import grouped_matmul
 from labutils.moe.capacity import position_in_expert
 from labutils.moe.functions import combine, count_by_gate, gather, scatter
-from labutils.moe.modern.experts import grouped_matmul
 
 from .problem import DispatchOut, Problem, expert_mlp, route
 from .real_layers import CoreMoE, DeepSpeedMoE, fastmoe
@@ -98,7 +98,7 @@ def padded(p: Problem) -> DispatchOut:
 def grouped_moe(x: torch.Tensor, idx: torch.Tensor, score: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
                 w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
     """Sorted rows and one grouped GEMM per linear (the core's
-    :func:`~labutils.moe.modern.experts.grouped_matmul`, ``torch._grouped_mm``): ``x (T, d)``, ``idx``/``score
+    :func:`~labutils.moe.backends.grouped_matmul`, ``torch._grouped_mm``): ``x (T, d)``, ``idx``/``score
     (T, k)``, fastmoe's weight layout ``w1 (E, h, d), b1 (E, h), w2 (E, d, h), b2 (E, d)``. Returns ``(T, d)``.
 
     Constraints (torch 2.13): float32, bfloat16 or float16 (not float64); empty groups are fine; offsets are the

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from labbook.toys.ch07_ddp import ATOL, RTOL
-from labutils.collectives import all_to_all
 from labutils.compare import compare_models
 from labutils.data_parallel import GroupedDataParallel, is_expert_param, mark_expert_params
+from labutils.moe.dispatch import ExpertParallel, dispatch
 
 
 class Expert(nn.Module):
@@ -40,6 +40,7 @@ class TinyMoE(nn.Module):
     def keep_expert(self, e, ep_group):
         """Keep only expert ``e`` (this rank's), serve the tokens of every rank in ``ep_group``."""
         self.experts, self.ep_group = nn.ModuleList([self.experts[e]]), ep_group
+        self.num_expert, self.moe_group = 1, ep_group  # what the dispatcher's all-to-all transport reads
         return self
 
     def forward(self, x):  # (T, d) -> (T, d)
@@ -53,14 +54,14 @@ class TinyMoE(nn.Module):
         return every[torch.arange(h.shape[0]), idx]  # (T, d)
 
     def expert_parallel(self, h, idx):
-        order = idx.argsort(stable=True)  # tokens grouped by expert = by destination rank
-        send = torch.bincount(idx, minlength=dist.get_world_size(self.ep_group))  # (E,)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep_group)  # how many tokens each rank sends me
-        mine = all_to_all(h[order], recv.tolist(), send.tolist(), group=self.ep_group, check=False)  # (sum recv, d)
-        back = all_to_all(self.experts[0](mine), send.tolist(), recv.tolist(), group=self.ep_group,
-                          check=False)  # sizes already exchanged above
-        return back[order.argsort()]  # (T, d), original token order
+        """The lab's dispatcher (``labutils.moe.dispatch``) with its all-to-all transport: tokens sorted by
+        expert (= by rank), sent to their expert's rank, run, sent back, put back in token order."""
+        move = ExpertParallel(self, check=False)  # sizes agree by construction: one layer, called once per step
+        return dispatch([h], idx[:, None], h.new_ones(h.shape[0], 1), lambda xs, counts: [move(xs[0], counts,
+                        self.run_experts)], num_expert=1, world_size=dist.get_world_size(self.ep_group))[0]
+
+    def run_experts(self, x, counts):  # this rank's one expert on the rows it received: (N_recv, d)
+        return self.experts[0](x)
 
 
 def ep_copy(ref, e, ep_group):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .._deprecate import deprecated
 from ..agreement import require_process_group
 from ..data import _size
+from .device_path import bincount
 
 # ---- the formulas -------------------------------------------------------------------------------------
 # Every formula checks its arguments first, with one helper (the int checks are labutils.data's ``_size``):
@@ -188,7 +189,7 @@ def position_in_expert(gate_idx: torch.Tensor, tot_expert: int) -> torch.Tensor:
     flat = gate_idx.t().reshape(-1)                                     # (k*T,) all 1st choices, then 2nd...
     key = torch.where(flat >= 0, flat, torch.full_like(flat, tot_expert))
     order = torch.argsort(key, stable=True)                             # expert-major, priority within
-    counts = torch.bincount(key, minlength=tot_expert + 1)              # (E+1,)
+    counts = bincount(key, tot_expert + 1)                              # (E+1,)
     starts = torch.cumsum(counts, 0) - counts                           # (E+1,) first slot of each expert
     rank = torch.empty_like(flat)
     rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]

@@ -1,4 +1,5 @@
-"""The experts' fast path: every expert's Linear -> activation -> Linear in one autograd Function.
+"""The experts' fast paths: every expert's Linear -> activation -> Linear in one autograd Function (the loop
+backend), or as two grouped GEMMs (the grouped backend, :func:`grouped_expert_mlps`).
 (Taught in chapter 01; measured in chapter 08 and ``benchmarks/moe_layer.py``.)
 
 ``FMoETransformerMLP`` stores its experts as fastmoe >= 1.0.1 does, one ``_Expert`` module each
@@ -19,6 +20,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .backends import grouped_matmul
 
 _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU,
                 nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardtanh, nn.Identity)
@@ -117,3 +120,23 @@ def expert_mlps(x: torch.Tensor, counts: list, experts, activation) -> torch.Ten
     with torch.autocast(x.device.type, enabled=False):   # in the weights' dtype, as fastmoe's kernels
         return ExpertMLPs.apply(x.to(params[0][0].dtype), counts, activation, *params[0], *params[1], *params[2],
                                 *params[3])
+
+
+def grouped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, experts, activation) -> torch.Tensor:
+    """The grouped backend: ``experts`` (``_Expert`` modules) on an expert-contiguous ``(N, d)`` buffer as one
+    grouped GEMM per linear (``torch._grouped_mm``), the counts a tensor that is never read on the host.
+
+    The weights are stacked from the experts' ``(1, out, in)`` tensors each call (``torch.cat``: one copy of the
+    expert weights forward, the split of their gradients backward), so checkpoints keep fastmoe's per-expert
+    layout. ``counts`` must sum to ``N`` (``torch._grouped_mm`` leaves rows past the last group unwritten)."""
+    w1 = torch.cat([e.htoh4.weight for e in experts])                       # (E, h, d)
+    b1 = torch.cat([e.htoh4.bias for e in experts])                         # (E, h)
+    w2 = torch.cat([e.h4toh.weight for e in experts])                       # (E, d, h)
+    b2 = torch.cat([e.h4toh.bias for e in experts])                         # (E, d)
+    counts = counts.to(x.device)
+    rows = torch.arange(x.shape[0], device=x.device)                        # (N,)
+    expert = torch.searchsorted(counts.cumsum(0), rows, right=True).clamp_max(len(experts) - 1)  # (N,) row's expert
+    with torch.autocast(x.device.type, enabled=False):   # in the weights' dtype, as fastmoe's kernels
+        x = x.to(w1.dtype)
+        hid = activation(grouped_matmul(x, w1.transpose(1, 2), counts) + b1.index_select(0, expert))  # (N, h)
+        return grouped_matmul(hid, w2.transpose(1, 2), counts) + b2.index_select(0, expert)           # (N, d)

@@ -13,6 +13,7 @@ import numbers
 import torch
 
 from ..data import _size
+from .device_path import bincount, device_check
 
 
 def _tot_expert(where: str, num_expert, world_size=1) -> int:
@@ -35,7 +36,7 @@ def counts_list(counts) -> list:
     return counts.tolist() if torch.is_tensor(counts) else [int(c) for c in counts]
 
 
-def count_by_gate(gate_idx: torch.Tensor, num_expert: int, world_size: int = 1):
+def count_by_gate(gate_idx: torch.Tensor, num_expert: int, world_size: int = 1, keep_dropped: bool = False):
     """Tokens per expert and the order that makes each expert's tokens contiguous.
 
     ``gate_idx``: ``(T, k)`` expert ids in ``0 .. world_size*num_expert-1`` or ``-1`` (dropped).
@@ -43,15 +44,18 @@ def count_by_gate(gate_idx: torch.Tensor, num_expert: int, world_size: int = 1):
     ``local_expert_count`` ``(world_size*num_expert,)`` int64, the number of choices for each expert.
     (fastmoe also returns the count each worker RECEIVES; here the expert-parallel exchange computes it.)
 
+    ``keep_dropped=True`` keeps the dropped choices at the end of ``pos`` (``N = T*k``) instead of cutting them
+    off, which needs no host read of how many there are (the GPU path, ``dispatch.py``).
+
     Refuses ``num_expert`` or ``world_size`` that is not an int >= 1 (0 experts gave empty counts; a negative
     number torch's "minlength should be >= 0"), naming the argument and the value, before counting.
     """
     tot_expert = _tot_expert("count_by_gate", num_expert, world_size)
     flat = gate_idx.reshape(-1)                                          # (T*k,)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, tot_expert))
-    counts = torch.bincount(key, minlength=tot_expert + 1)[:tot_expert]  # (E,) drops counted in the extra bin
-    pos = torch.argsort(key, stable=True)[: flat.numel() - int((flat < 0).sum())]
-    return pos, counts
+    counts = bincount(key, tot_expert + 1)[:tot_expert]                  # (E,) drops counted in the extra bin
+    pos = torch.argsort(key, stable=True)                                # (T*k,) dropped choices last
+    return (pos if keep_dropped else pos[: flat.numel() - int((flat < 0).sum())]), counts
 
 
 class MOEScatter(torch.autograd.Function):
@@ -221,7 +225,9 @@ def check_expert_ids(ids: torch.Tensor, tot_expert: int, name: str = "gate_top_k
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise dtype_error(f"{name} must hold integer expert ids, got dtype {ids.dtype}")
     if ids.numel():
-        lo, hi = (int(v) for v in torch.aminmax(ids))
-        if lo < -1 or hi >= tot_expert:
-            raise ValueError(f"{name} holds expert ids in [{lo}, {hi}]; expected -1 (dropped) or "
-                             f"0..{tot_expert - 1} (num_expert * world_size - 1)")
+        def error():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            return ValueError(f"{name} holds expert ids in [{lo}, {hi}]; expected -1 (dropped) or "
+                              f"0..{tot_expert - 1} (num_expert * world_size - 1)")
+        device_check((ids >= -1) & (ids < tot_expert), error,
+                f"{name}: an expert id is outside -1..{tot_expert - 1} (num_expert * world_size - 1)")

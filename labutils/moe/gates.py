@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .device_path import device_check
 from .functions import check_top_k
 
 
@@ -57,12 +58,17 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def check_finite_logits(gate: nn.Module, logits: torch.Tensor) -> None:
     """Raise naming the tokens whose gate logits are NaN/inf: one such token would make the whole batch's
     balancing loss NaN (and its routing meaningless)."""
-    if logits.numel() and not bool(torch.isfinite(logits).all()):
+    if not logits.numel():
+        return
+
+    def error():
         bad = (~torch.isfinite(logits)).any(dim=1).nonzero().flatten().tolist()
         shown = ", ".join(str(t) for t in bad[:10]) + (", ..." if len(bad) > 10 else "")
-        raise ValueError(f"{type(gate).__name__}: the gate logits of {len(bad)} of {logits.shape[0]} tokens are "
-                         f"NaN or inf (token indices {shown}); the balancing loss of the whole batch would be NaN. "
-                         f"Check those input rows (and the gate weights) for NaN/inf")
+        return ValueError(f"{type(gate).__name__}: the gate logits of {len(bad)} of {logits.shape[0]} tokens are "
+                          f"NaN or inf (token indices {shown}); the balancing loss of the whole batch would be NaN. "
+                          f"Check those input rows (and the gate weights) for NaN/inf")
+    device_check(torch.isfinite(logits), error, f"{type(gate).__name__}: gate logits hold NaN or inf (checked on the "
+                                           "device; run on the CPU to see which tokens)")
 
 
 class BaseGate(nn.Module):

@@ -1,9 +1,10 @@
 """FMoE: fastmoe's core layer in plain PyTorch. (Taught in chapter 01.)
 
-Same constructor, attribute names and data flow as ``fmoe.FMoE``; the forward is the six named steps of
-``functions.py``. With ``world_size > 1`` the gate picks among ``world_size * num_expert`` global experts and
-the token exchange is done by ``labutils.moe.expert_parallel.exchange_and_run`` (chapter 06), which calls back
-:meth:`FMoE.run_experts` for the experts that live on this rank. A nested input (a list, tuple or dict of
+Same constructor, attribute names and data flow as ``fmoe.FMoE``: the gate routes, then the lab's one dispatcher
+(``dispatch.py``: the six named steps of ``functions.py``) runs the experts. With ``world_size > 1`` the gate
+picks among ``world_size * num_expert`` global experts and the dispatcher's expert-parallel transport
+(``labutils.moe.expert_parallel.exchange_and_run``, chapter 06) calls back :meth:`FMoE.run_experts` for the
+experts that live on this rank. A nested input (a list, tuple or dict of
 tensors routed together) is handled by ``tree.py``'s helpers; a plain tensor never goes through them.
 """
 from __future__ import annotations
@@ -16,16 +17,9 @@ from torch import nn
 
 from ..agreement import require_process_group
 from ..collectives import Slice, all_gather, rank_slice
-from .functions import (
-    check_gate_output,
-    check_top_k,
-    combine,
-    count_by_gate,
-    counts_list,
-    gather,
-    gather_combine,
-    scatter,
-)
+from .device_path import device_path, on_device_path
+from .dispatch import ExpertParallel, dispatch, local
+from .functions import check_gate_output, check_top_k, counts_list
 from .gates import NaiveGate
 from .mask import check_mask, check_mask_pair, fill_masked
 from .tree import exchange_packed, tree_cat, tree_flatten, tree_split, tree_unflatten
@@ -163,28 +157,34 @@ class FMoE(nn.Module):
             xs = [Slice.apply(x, self.slice_rank, self.slice_size, self.slice_group) for x in xs]
             mask = None if mask is None else rank_slice(mask, self.slice_rank, self.slice_size)
         gate_in = xs[0] if spec is None else tree_unflatten(xs, spec)        # what the gate sees
-        gate_idx, gate_score = self.route(gate_in, xs[0].shape[0])           # (T, k), (T, k)
-        ys = self.moe_steps(xs, spec, gate_idx, gate_score, mask)            # each (T, d_leaf)
+        with device_path(self.runs_on_device_path(xs[0], spec, mask)):
+            gate_idx, gate_score = self.route(gate_in, xs[0].shape[0])       # (T, k), (T, k)
+            ys = self.moe_steps(xs, spec, gate_idx, gate_score, mask)        # each (T, d_leaf)
         if self.slice_size > 1:                                              # everyone's slices, in order
             ys = [all_gather(y, group=self.slice_group)[0] for y in ys]
         ys = [y.reshape(*lead, y.shape[-1]) for y in ys]
         return ys[0] if spec is None else tree_unflatten(ys, spec)
 
     def moe_steps(self, xs: list, spec, gate_idx: torch.Tensor, gate_score: torch.Tensor, mask=None) -> list:
-        """count -> scatter -> experts -> gather -> combine on the leaves ``xs`` (each ``(T, d)``, one routing for
-        all; ``spec``: their tree, ``None`` for one tensor). ``mask``: ``(T,)``, rows with 0 run the experts."""
-        T, k = gate_score.shape
+        """count -> scatter -> experts -> gather -> combine (:func:`~labutils.moe.dispatch.dispatch`) on the leaves
+        ``xs`` (each ``(T, d)``, one routing for all; ``spec``: their tree, ``None`` for one tensor).
+        ``mask``: ``(T,)``, rows with 0 run the experts, the others take ``mask_dict``'s rows (``mask.py``)."""
+        fill = None
         if mask is not None:                                                 # masked rows skip the experts
-            keep = mask == 0
+            keep, k = mask == 0, gate_score.shape[1]
             xs, gate_idx = [x[keep] for x in xs], gate_idx[keep]
-        pos, counts = count_by_gate(gate_idx, self.num_expert, self.world_size)  # (N,), (world*E,)
-        x_sorted = [scatter(x, pos, k) for x in xs]                          # each (N, d) expert-contiguous
-        y_sorted = self.expert_exchange(x_sorted, spec, counts)              # each (N, d_out)
-        if mask is None:  # gather + combine in one pass (no (T*k, d) buffer): see MOEGatherCombine
-            return [gather_combine(y, pos, gate_score) for y in y_sorted]    # each (T, d_out)
-        ys = [gather(y, pos, gate_idx.shape[0] * k) for y in y_sorted]       # each (T_kept*k, d_out)
-        ys = [fill_masked(y, mask, self.mask_dict, k) for y in ys]           # each (T*k, d_out)
-        return [combine(y, gate_score) for y in ys]                          # each (T, d_out)
+            fill = lambda y: fill_masked(y, mask, self.mask_dict, k)         # noqa: E731  (T_kept*k, d) -> (T*k, d)
+        return dispatch(xs, gate_idx, gate_score, lambda x_sorted, counts: self.expert_exchange(x_sorted, spec, counts),
+                        num_expert=self.num_expert, world_size=self.world_size, fill=fill)  # each (T, d_out)
+
+    def expert_backend(self, x: torch.Tensor) -> str:
+        """``"loop"``: expert modules run one by one (``FMoETransformerMLP`` may say ``"grouped"``)."""
+        return "loop"
+
+    def runs_on_device_path(self, x: torch.Tensor, spec, mask) -> bool:
+        """No host read in this forward (``device_path.py``): grouped experts, one rank, one tensor, no mask."""
+        return (self.expert_backend(x) == "grouped" and self.world_size == 1 and self.slice_size == 1
+                and spec is None and mask is None)
 
     def param_dtype(self):
         """The dtype of the layer's first floating parameter (``None`` when it has none)."""
@@ -209,28 +209,28 @@ class FMoE(nn.Module):
     def expert_exchange(self, xs: list, spec, counts: torch.Tensor) -> list:
         """Rows sorted by global expert -> expert outputs in the same order (across ranks when world_size > 1).
         ``xs``: the leaves, each ``(N, d)``, of the tree ``spec`` (``None``: one tensor); returns the outputs'."""
-        if self.world_size > 1:
-            from .expert_parallel import exchange_and_run  # chapter 06: all-to-all, run_experts, all-to-all back
-            if spec is None:
-                return [exchange_and_run(self, xs[0], counts)]
-            return exchange_packed(lambda x, run: exchange_and_run(self, x, counts, run=run), xs, spec,
-                                   self.run_experts)
+        move = ExpertParallel(self) if self.world_size > 1 else local     # chapter 06: all-to-all and back
         if spec is None:
-            return [self.run_experts(xs[0], counts)]
+            return [move(xs[0], counts, self.run_experts)]
+        if self.world_size > 1:
+            return exchange_packed(lambda x, run: move(x, counts, run), xs, spec, self.run_experts)
         return tree_flatten(self.run_experts(tree_unflatten(xs, spec), counts))[0]
 
     def run_experts(self, x, counts):
         """Apply this rank's ``num_expert`` experts to an expert-contiguous ``(N, d)`` buffer (or a tree of
         them), through ``self.expert_fn`` (so a subclass that overrides ``expert_fn`` is used, as in fastmoe).
 
-        ``counts``: ``(num_expert,)`` rows per LOCAL expert (tensor or list), summing to ``N``.
+        ``counts``: ``(num_expert,)`` rows per LOCAL expert (tensor or list), summing to ``N``. On the device path
+        (``device_path.py``) they stay a device tensor, unread, and may sum to less (dropped choices at the end).
         """
-        counts = counts_list(counts)
         rows = (x if torch.is_tensor(x) else tree_flatten(x)[0][0]).shape[0]
-        if len(counts) != self.num_expert or sum(counts) != rows:
-            raise ValueError(f"run_experts needs {self.num_expert} per-expert counts summing to {rows} "
-                             f"rows, got {counts}")
-        y = self.expert_fn(x, torch.tensor(counts, dtype=torch.int64))      # counts on the CPU, as fastmoe
+        if not on_device_path():
+            counts = counts_list(counts)
+            if len(counts) != self.num_expert or sum(counts) != rows:
+                raise ValueError(f"run_experts needs {self.num_expert} per-expert counts summing to {rows} "
+                                 f"rows, got {counts}")
+            counts = torch.tensor(counts, dtype=torch.int64)                # counts on the CPU, as fastmoe
+        y = self.expert_fn(x, counts)
         _check_expert_output(x, y, rows, self.d_model)
         return y
 

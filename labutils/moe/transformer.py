@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-from .expert_mlp import expert_mlps, fusable_activation
+from .backends import pick_backend
+from .expert_mlp import expert_mlps, fusable_activation, grouped_expert_mlps
 from .layers import FMoE
 from .linear import FMoELinear
 
@@ -40,14 +41,19 @@ class FMoETransformerMLP(FMoE):
     ``init``: ``"fastmoe"`` (default: fastmoe's ``kaiming_uniform_(a=sqrt(5))`` over each ``(1, out, in)``
     weight, i.e. bound ``1/sqrt(out*in)``) or ``"linear"`` (``nn.Linear``'s bound ``1/sqrt(in)`` per expert,
     what a dense MLP it is compared with gets). Biases start at zero either way, as in fastmoe.
+    ``backend``: ``"auto"`` (default: the per-expert loop on the CPU, one grouped GEMM per linear on CUDA),
+    ``"loop"`` or ``"grouped"`` (:mod:`labutils.moe.backends`); on ``"grouped"`` a one-rank layer reads nothing
+    on the host (``device_path.py``).
     Keyword arguments of :class:`FMoE` (``top_k``, ``gate``, ``world_size``, ``gate_hook``, ...) pass through.
     """
 
     def __init__(self, num_expert: int = 32, d_model: int = 1024, d_hidden: int = 4096,
                  activation=None, expert_dp_comm: str = "none", expert_rank: int = 0, init: str = "fastmoe",
-                 **kwargs):
+                 backend: str = "auto", **kwargs):
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        pick_backend(backend, "cpu")                                          # refuses an unknown backend
+        self.backend = backend
         activation = nn.GELU() if activation is None else activation          # fastmoe's default
         self.d_hidden = d_hidden
 
@@ -70,9 +76,23 @@ class FMoETransformerMLP(FMoE):
                     if lin.bias is not None:
                         lin.bias.zero_()
 
+    def expert_backend(self, x: torch.Tensor) -> str:
+        """``"grouped"`` or ``"loop"``: ``backend`` on ``x``'s device. ``"grouped"`` needs untouched one-expert
+        ``_Expert`` modules with biases (stacked each call); asked for with other experts, a ValueError."""
+        backend = pick_backend(self.backend, x.device)
+        if backend == "grouped" and not self._groupable():
+            if self.backend == "grouped":
+                raise ValueError("FMoETransformerMLP(backend='grouped') needs its own one-expert _Expert modules "
+                                 "with biases (they were replaced or changed); use backend='loop'")
+            return "loop"
+        return backend
+
     def expert_fn(self, inp, fwd_expert_count):
-        """Every local expert on an expert-contiguous buffer: one fused Function (see ``expert_mlp.py``)
-        when every expert is an untouched ``_Expert`` with a parameter-free activation, else fastmoe's loop."""
+        """Every local expert on an expert-contiguous buffer: two grouped GEMMs on the grouped backend, else one
+        fused Function (see ``expert_mlp.py``) when every expert is an untouched ``_Expert`` with a
+        parameter-free activation, else fastmoe's loop."""
+        if torch.is_tensor(inp) and self.expert_backend(inp) == "grouped":
+            return grouped_expert_mlps(inp, fwd_expert_count, self.expert_modules(), self.activation)
         if torch.is_tensor(inp) and self._fusable():
             return expert_mlps(inp, fwd_expert_count.tolist(), self.expert_modules(), self.activation)
         return super().expert_fn(inp, fwd_expert_count)
@@ -81,6 +101,14 @@ class FMoETransformerMLP(FMoE):
         """The ``_Expert`` modules among the experts (``[]`` when a subclass replaced them with a fused module)."""
         experts = self.experts if isinstance(self.experts, nn.ModuleList) else []
         return [e for e in experts if isinstance(e, _Expert)]
+
+    def _groupable(self) -> bool:
+        """Every expert an untouched one-expert ``_Expert`` with both biases (what :func:`grouped_expert_mlps`
+        stacks); any activation (it runs through autograd)."""
+        experts = self.expert_modules()
+        return (isinstance(self.experts, nn.ModuleList) and len(experts) == len(self.experts) > 0
+                and all(type(e) is _Expert and e.htoh4.num_expert == 1 and e.htoh4.bias is not None
+                        and e.h4toh.bias is not None for e in experts))
 
     def _fusable(self) -> bool:
         """The fast path applies when every expert is an untouched one-expert ``_Expert`` and the activation

@@ -14,15 +14,18 @@ import numbers
 import torch
 from torch import nn
 
+from ..device_path import device_check
+
 
 def check_expert_bias(bias: torch.Tensor, name: str = "expert_bias") -> None:
     """Raise when the ``(E,)`` selection bias holds a NaN or an infinity: a NaN wins every top-k selection (and
     -inf loses every one), so every token would go to the same experts while training carries on."""
-    bad = (~torch.isfinite(bias)).nonzero().flatten()
-    if bad.numel():
-        raise ValueError(f"{name} holds {bias[bad].tolist()} at expert(s) {bad.tolist()}: every entry must be "
-                         "finite (a NaN bias sends every token to the same experts); reset it "
-                         "(expert_bias.zero_()) and check bias_rate and the tokens_per_expert counts")
+    def error():
+        bad = (~torch.isfinite(bias)).nonzero().flatten()
+        return ValueError(f"{name} holds {bias[bad].tolist()} at expert(s) {bad.tolist()}: every entry must be "
+                          "finite (a NaN bias sends every token to the same experts); reset it "
+                          "(expert_bias.zero_()) and check bias_rate and the tokens_per_expert counts")
+    device_check(torch.isfinite(bias), error, f"{name} holds NaN or inf (checked on the device)")
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float, center: bool = True) -> torch.Tensor:

@@ -18,6 +18,7 @@ import numbers
 import torch
 
 from ..._deprecate import forward_moved
+from ..device_path import device_check
 
 __all__ = ["expert_choice_route"]
 forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
@@ -33,11 +34,12 @@ def expert_choice_route(scores: torch.Tensor, capacity: int):
     if scores.dim() != 2:
         raise ValueError(f"expert_choice_route needs scores (tokens, experts), got {tuple(scores.shape)}")
     T = scores.shape[0]
-    bad = (~torch.isfinite(scores)).any(1).nonzero().flatten()                              # tokens with NaN/inf
-    if bad.numel():  # a NaN sorts above every score: that token would take a slot at every expert
-        raise ValueError(f"expert_choice_route: scores of token(s) {bad[:10].tolist()} (of {T}) are NaN or "
-                         "infinite (a NaN in the router input x?); every score must be finite, or that token "
-                         "takes the first slot of every expert")
+    def error():  # a NaN sorts above every score: that token would take a slot at every expert
+        bad = (~torch.isfinite(scores)).any(1).nonzero().flatten()                          # tokens with NaN/inf
+        return ValueError(f"expert_choice_route: scores of token(s) {bad[:10].tolist()} (of {T}) are NaN or "
+                          "infinite (a NaN in the router input x?); every score must be finite, or that token "
+                          "takes the first slot of every expert")
+    device_check(torch.isfinite(scores), error, "expert_choice_route: scores hold NaN or inf (checked on the device)")
     if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
         raise TypeError(f"expert_choice_route: capacity must be an int between 1 and the number of tokens {T} "
                         f"(expert_capacity(T, E, capacity_factor) gives it), got {capacity!r} "

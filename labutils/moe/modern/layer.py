@@ -9,11 +9,18 @@
   (expert choice: ``C = ceil(cf * T / E)``; both formulas in ``labutils.moe.capacity``), and over-capacity
   choices are dropped: first choices of every token are served before second choices (GShard's priority), in
   token order within a rank (the core's ``position_in_expert``);
-* ``n_shared`` always-on experts (``shared_experts.py``); ``impl`` ``"loop"`` or ``"grouped"`` (``torch._grouped_mm``).
+* ``n_shared`` always-on experts (``shared_experts.py``); ``impl`` ``"auto"``, ``"loop"`` or ``"grouped"``
+  (``torch._grouped_mm``), :mod:`labutils.moe.backends`.
+
+After routing, the layer hands its choices to the lab's one dispatcher (:func:`labutils.moe.dispatch.dispatch`):
+token choice as ``(T, k)`` ids with ``-1`` for a dropped choice, expert choice as ``(T, E)`` (column e holds e
+where expert e took the token, else -1). With the grouped backend, token routing runs on the device path: no
+host read from the router to the gradients (``device_path.py``).
 
 While training, each forward appends to ``self.history``: ``counts`` ``(E,)``, ``dropped`` (share of token-choice
 slots not served; for expert choice the share of tokens that got no expert), ``logit_rms``, ``logit_max`` and
-``lse2`` (the z-loss value, mean squared logsumexp of the router logits).
+``lse2`` (the z-loss value, mean squared logsumexp of the router logits), all tensors left where the layer runs
+(reading them is a host synchronisation on a GPU: :meth:`ModernMoE.read_history` does it once, when asked).
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ import torch
 from torch import nn
 
 from ..capacity import expert_capacity, position_in_expert, token_choice_capacity
+from ..device_path import bincount, device_path
+from ..dispatch import dispatch, local
 from .expert_choice import expert_choice_route
 from .experts import RoutedExperts
 from .routers import TopKRouter
@@ -42,7 +51,7 @@ class ModernMoE(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, top_k: int = 2, *, routing: str = "token",
                  n_shared: int = 0, shared_hidden: int | None = None, capacity_factor: float | None = None,
-                 score_before_experts: bool = False, impl: str = "loop", **router_kwargs):
+                 score_before_experts: bool = False, impl: str = "auto", **router_kwargs):
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
@@ -61,44 +70,55 @@ class ModernMoE(nn.Module):
         self.history: list[dict] = []
 
     def route(self, x: torch.Tensor, seq_len: int | None):
-        """``x`` ``(T, d)`` -> served choices as flat ``experts (n,), tokens (n,), weights (n,)``; dropped share."""
+        """``x`` ``(T, d)`` -> ``(idx, weights, dropped)``: expert ids ``(T, k)`` with ``-1`` for a choice over
+        capacity (expert choice: ``(T, E)``, column e holding e where expert e took the token), their weights of
+        the same shape, and the dropped share (a 0-d tensor)."""
         T, E = x.shape[0], self.num_experts
         if self.routing == "expert":
             scores = self.router.expert_choice_scores(x)                   # (T, E)
             capacity = expert_capacity(T, E, float(self.capacity_factor or 0))
             tok, gates = expert_choice_route(scores, capacity)             # (E, C) x2
-            served = torch.zeros(T, dtype=torch.bool, device=x.device).index_fill_(0, tok.reshape(-1), True)
-            experts = torch.arange(E, device=x.device).repeat_interleave(tok.shape[1])
-            return experts, tok.reshape(-1), gates.reshape(-1), 1 - served.float().mean().item()
+            cols = torch.arange(E, device=x.device).expand(tok.shape[1], E)  # (C, E)
+            idx = torch.full((T, E), -1, dtype=torch.long, device=x.device).scatter(0, tok.t(), cols)
+            w = gates.new_zeros(T, E).scatter(0, tok.t(), gates.t())       # (T, E)
+            return idx, w, 1 - (idx >= 0).any(1).float().mean()
         idx, w, _ = self.router(x, seq_len)                                # (T, k) x2
-        tokens = torch.arange(T, device=x.device).repeat_interleave(self.top_k)
         if self.capacity_factor is None:
-            return idx.reshape(-1), tokens, w.reshape(-1), 0.0
+            return idx, w, x.new_zeros((), dtype=torch.float32)
         capacity = token_choice_capacity(T, E, self.capacity_factor, self.top_k)
-        keep = (position_in_expert(idx, E) < capacity).reshape(-1)         # (T k) first choices served first
-        return idx.reshape(-1)[keep], tokens[keep], w.reshape(-1)[keep], 1 - keep.float().mean().item()
+        keep = position_in_expert(idx, E) < capacity                       # (T, k) first choices served first
+        return idx.masked_fill(~keep, -1), w, 1 - keep.float().mean()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"ModernMoE(d_model={self.d_model}) got input of shape {tuple(x.shape)}")
         seq_len = x.shape[-2] if x.dim() >= 3 else None
         x2 = x.reshape(-1, self.d_model)                                   # (T, d)
-        experts, tokens, w, dropped = self.route(x2, seq_len)              # (n,) x3
-        order = torch.argsort(experts, stable=True)                        # expert-contiguous
-        tokens, w = tokens[order], w[order].to(x.dtype)
-        counts = torch.bincount(experts, minlength=self.num_experts)       # (E,)
-        xs = x2[tokens]                                                    # (n, d)
-        if self.score_before_experts:
-            xs = xs * w[:, None]
-        ys = self.experts(xs, counts)                                      # (n, d)
-        if not self.score_before_experts:
-            ys = ys * w[:, None]
-        y = torch.zeros_like(x2).index_add_(0, tokens, ys)                 # (T, d)
-        if self.shared is not None:
-            y = y + self.shared(x2)
-        if self.training:
-            self.history.append(dict(counts=counts.detach().cpu(), dropped=dropped, **self.router.logit_stats()))
+        on_device = self.routing == "token" and self.experts.backend(x2.device) == "grouped"
+        with device_path(on_device):
+            idx, w, dropped = self.route(x2, seq_len)                      # (T, k) x2, ()
+            y = dispatch([x2], idx, w.to(x.dtype), lambda xs, counts: [local(xs[0], counts, self.experts)],
+                         num_expert=self.num_experts, score_before_experts=self.score_before_experts)[0]  # (T, d)
+            if self.shared is not None:
+                y = y + self.shared(x2)
+            if self.training:
+                counts = bincount(torch.where(idx >= 0, idx, self.num_experts), self.num_experts + 1)  # (E+1,)
+                self.history.append(dict(counts=counts[:-1].detach(), dropped=dropped.detach(),
+                                         **self.router.logit_stats()))
         return y.reshape(x.shape)
+
+    def read_history(self) -> list[dict]:
+        """``self.history`` read on the host, once: ``counts`` as CPU int64 ``(E,)`` tensors, the rest floats."""
+        if not self.history:
+            return []
+        keys = list(self.history[0])
+        flat = torch.stack([torch.cat([h[k].reshape(-1).double() for k in keys]) for h in self.history]).cpu()
+        sizes = [self.history[0][k].numel() for k in keys]
+        out = []
+        for row in flat:
+            parts = dict(zip(keys, row.split(sizes)))
+            out.append({k: (v.long() if k == "counts" else float(v)) for k, v in parts.items()})
+        return out
 
     def active_params(self) -> int:
         """Parameters one token passes through (expert choice: on average), router included."""

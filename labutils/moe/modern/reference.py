@@ -11,7 +11,7 @@ from ..capacity import expert_capacity, token_choice_capacity
 
 
 def _expert(layer, e: int, v: torch.Tensor) -> torch.Tensor:
-    return F.gelu(v @ layer.experts.w1[e]) @ layer.experts.w2[e]                   # (d,) -> (d,)
+    return F.gelu(v @ layer.experts.w1[e].t()) @ layer.experts.w2[e].t()           # (d,) -> (d,): (E, out, in)
 
 
 def reference_routes(layer, x2: torch.Tensor) -> list:

@@ -17,6 +17,7 @@ import numbers
 import torch
 from torch import nn
 
+from ..device_path import bincount
 from ..gates import BaseGate, check_finite_logits, check_gate_input
 from .aux_free import check_expert_bias
 from .losses import balance_loss, z_loss
@@ -102,7 +103,7 @@ class TopKRouter(BaseGate):
         w = w * self.route_scale
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.tot_expert).float()
+                self.tokens_per_expert += bincount(idx, self.tot_expert).float()
         self.last_logits = logits.detach()
         self.set_loss(self.aux_loss(logits, s, idx, seq_len))
         return idx, w.to(x.dtype), s
@@ -117,12 +118,14 @@ class TopKRouter(BaseGate):
         return torch.softmax(logits.float(), -1)
 
     def logit_stats(self) -> dict:
-        """``logit_rms``, ``logit_max``, ``lse2`` (the z-loss) of the last forward's logits (zeros before one)."""
+        """``logit_rms``, ``logit_max``, ``lse2`` (the z-loss) of the last forward's logits, as 0-d float32
+        tensors where the logits are (no host read: ``float()`` them when needed); zeros before a forward."""
         logits = self.last_logits
         if logits is None:
-            return dict(logit_rms=0.0, logit_max=0.0, lse2=0.0)
-        return dict(logit_rms=float(logits.pow(2).mean().sqrt()), logit_max=float(logits.abs().max()),
-                    lse2=float(z_loss(logits)))
+            zero = torch.zeros((), device=self.gate.weight.device)
+            return dict(logit_rms=zero, logit_max=zero, lse2=zero)
+        logits = logits.float()
+        return dict(logit_rms=logits.pow(2).mean().sqrt(), logit_max=logits.abs().max(), lse2=z_loss(logits))
 
     def aux_loss(self, logits, s, idx, seq_len) -> torch.Tensor:
         loss = logits.new_zeros((), dtype=torch.float32)
