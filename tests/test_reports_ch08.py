@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from labbook.reports import ch08
+from labbook.reports import ch08, gpu_layer
 
 ONE_SITTING = "taken 14 min apart (one sitting; separate runs are at least 1 h apart)"
 PROVISIONAL = {"verdict": "provisional", "why": "behind 0.9 in all 2 recordings, but within the 25% margin runs "
@@ -309,18 +309,18 @@ GPU_RECORD = {
 
 
 def test_gpu_record_says_plainly_when_there_is_none():
-    said = ch08.gpu_record(None)
+    said = gpu_layer.gpu_record(None)
     assert said == ("No GPU record yet: run `python benchmarks/gpu_layer.py` on a machine with a CUDA GPU; the book "
                     "has not measured the GPU rows.")
     assert "|" not in said
     with pytest.raises(TypeError, match="or None"):
-        ch08.gpu_record([])
+        gpu_layer.gpu_record([])
     with pytest.raises(KeyError, match="results"):
-        ch08.gpu_record({k: v for k, v in GPU_RECORD.items() if k != "results"})
+        gpu_layer.gpu_record({k: v for k, v in GPU_RECORD.items() if k != "results"})
 
 
 def test_gpu_record_table_names_device_and_versions():
-    said = ch08.gpu_record(GPU_RECORD)
+    said = gpu_layer.gpu_record(GPU_RECORD)
     assert said.startswith("**The layer on a GPU** (`benchmarks/gpu_layer.py --preset issue`, 2026-12-01T10:00:00): "
                            "NVIDIA H100 80GB HBM3, torch 2.13.0+cu128, CUDA 12.8, fastmoe a1b2c3d.")
     assert "median of 7 interleaved rounds (CUDA events)" in said and "at >= 0.80 of the grouped-GEMM limit" in said
@@ -338,7 +338,7 @@ def test_gpu_record_flipped_verdict_and_smoke_run():
     flip = copy.deepcopy(GPU_RECORD)
     flip["results"][0].update(lab_ms=8.0, lab_over_grouped=2.0)
     flip["results"][0]["verdict"].update(speed=0.5, lab_over_grouped=2.0, met=False, verdict="NOT met")
-    said = ch08.gpu_record(flip)
+    said = gpu_layer.gpu_record(flip)
     assert "| T16384 d1024 h4096 E8 k2 | bf16 | 4.00 | 8.00 | 0.50 | NOT met |" in said
     assert "Met at 1 of 3 shape/dtype pairs, NOT met at 1." in said
     smoke = copy.deepcopy(GPU_RECORD)
@@ -346,7 +346,7 @@ def test_gpu_record_flipped_verdict_and_smoke_run():
     smoke["versions"].update(cuda=None, fastmoe={"available": False, "commit": None})
     for e in smoke["results"]:
         e["parity"] = {"max_abs_diff": None, "why": "fastmoe not importable: no fmoe"}
-    said = ch08.gpu_record(smoke)
+    said = gpu_layer.gpu_record(smoke)
     assert "): cpu, torch 2.13.0+cu128, CUDA none, fastmoe not installed." in said
     assert "**This record is a CPU smoke run of the machinery, not a GPU measurement.**" in said
     assert "Real fastmoe was not compared (fastmoe not importable: no fmoe)." in said
