@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from labutils._deprecate import forward_moved
-from labutils.moe.backends import grouped_matmul
 from labutils.moe.capacity import position_in_expert
+from labutils.moe.dispatch import dispatch
+from labutils.moe.expert_mlp import grouped_mlp
 from labutils.moe.functions import combine, count_by_gate, gather, scatter
 
 from .problem import DispatchOut, Problem, expert_mlp, route
@@ -97,9 +98,10 @@ def padded(p: Problem) -> DispatchOut:
 
 def grouped_moe(x: torch.Tensor, idx: torch.Tensor, score: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
                 w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
-    """Sorted rows and one grouped GEMM per linear (the core's
-    :func:`~labutils.moe.backends.grouped_matmul`, ``torch._grouped_mm``): ``x (T, d)``, ``idx``/``score
-    (T, k)``, fastmoe's weight layout ``w1 (E, h, d), b1 (E, h), w2 (E, d, h), b2 (E, d)``. Returns ``(T, d)``.
+    """Sorted rows and one grouped GEMM per linear: the lab's dispatcher (:func:`~labutils.moe.dispatch.dispatch`)
+    with the grouped backend's experts (:func:`~labutils.moe.expert_mlp.grouped_mlp`, ``torch._grouped_mm``), what
+    ``FMoETransformerMLP(backend="grouped")`` runs: ``x (T, d)``, ``idx``/``score (T, k)``, fastmoe's weight
+    layout ``w1 (E, h, d), b1 (E, h), w2 (E, d, h), b2 (E, d)``. Returns ``(T, d)``.
 
     Constraints (torch 2.13): float32, bfloat16 or float16 (not float64); empty groups are fine; offsets are the
     int32 cumulative group ends (``grouped_matmul`` makes them from ``counts``); its backward needs a contiguous
@@ -110,12 +112,9 @@ def grouped_moe(x: torch.Tensor, idx: torch.Tensor, score: torch.Tensor, w1: tor
     if d % per_row or h % per_row:
         raise ValueError(f"grouped_mm needs 16-byte aligned rows: d_model={d} and d_hidden={h} must be "
                          f"multiples of {per_row} for {x.dtype}")
-    pos, counts = count_by_gate(idx, w1.shape[0])                          # (N,), (E,)
-    expert = idx.reshape(-1)[pos]                                          # (N,) expert of each sorted row
-    xs = scatter(x, pos, idx.shape[1])                                     # (N, d)
-    hid = F.gelu(grouped_matmul(xs, w1.transpose(1, 2), counts) + b1[expert])             # (N, h)
-    out = grouped_matmul(hid, w2.transpose(1, 2), counts) + b2[expert]                    # (N, d)
-    return combine(gather(out, pos, idx.numel()), score)                   # (T, d)
+    def experts(xs, counts):                                               # sorted rows (N, d) -> (N, d)
+        return [grouped_mlp(xs[0], counts, w1, b1, w2, b2, F.gelu)]
+    return dispatch([x], idx, score, experts, num_expert=w1.shape[0])[0]   # (T, d)
 
 
 def grouped_mm(p: Problem) -> DispatchOut:

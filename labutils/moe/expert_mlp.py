@@ -122,21 +122,26 @@ def expert_mlps(x: torch.Tensor, counts: list, experts, activation) -> torch.Ten
                                 *params[3])
 
 
+def grouped_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor, activation) -> torch.Tensor:
+    """Every expert's MLP on an expert-contiguous ``(N, d)`` buffer as one grouped GEMM per linear
+    (``torch._grouped_mm``), in fastmoe's layout ``w1 (E, h, d), b1 (E, h), w2 (E, d, h), b2 (E, d)``; ``counts``
+    ``(E,)`` must sum to ``N`` (``torch._grouped_mm`` leaves rows past the last group unwritten) and is never read
+    on the host: each row's bias is found on the device (``searchsorted`` over the group ends)."""
+    counts = counts.to(x.device)
+    rows = torch.arange(x.shape[0], device=x.device)                        # (N,)
+    expert = torch.searchsorted(counts.cumsum(0), rows, right=True).clamp_max(w1.shape[0] - 1)  # (N,) row's expert
+    hid = activation(grouped_matmul(x, w1.transpose(1, 2), counts) + b1.index_select(0, expert))  # (N, h)
+    return grouped_matmul(hid, w2.transpose(1, 2), counts) + b2.index_select(0, expert)           # (N, d)
+
+
 def grouped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, experts, activation) -> torch.Tensor:
-    """The grouped backend: ``experts`` (``_Expert`` modules) on an expert-contiguous ``(N, d)`` buffer as one
-    grouped GEMM per linear (``torch._grouped_mm``), the counts a tensor that is never read on the host.
+    """The grouped backend of ``FMoETransformerMLP``: its ``_Expert`` modules run by :func:`grouped_mlp`.
 
     The weights are stacked from the experts' ``(1, out, in)`` tensors each call (``torch.cat``: one copy of the
     expert weights forward, the split of their gradients backward), so checkpoints keep fastmoe's per-expert
-    layout. ``counts`` must sum to ``N`` (``torch._grouped_mm`` leaves rows past the last group unwritten)."""
-    w1 = torch.cat([e.htoh4.weight for e in experts])                       # (E, h, d)
-    b1 = torch.cat([e.htoh4.bias for e in experts])                         # (E, h)
-    w2 = torch.cat([e.h4toh.weight for e in experts])                       # (E, d, h)
-    b2 = torch.cat([e.h4toh.bias for e in experts])                         # (E, d)
-    counts = counts.to(x.device)
-    rows = torch.arange(x.shape[0], device=x.device)                        # (N,)
-    expert = torch.searchsorted(counts.cumsum(0), rows, right=True).clamp_max(len(experts) - 1)  # (N,) row's expert
+    layout."""
+    w1, b1, w2, b2 = (torch.cat([getattr(getattr(e, lin), name) for e in experts])   # (E, h, d), (E, h), ...
+                      for lin, name in (("htoh4", "weight"), ("htoh4", "bias"), ("h4toh", "weight"), ("h4toh", "bias")))
     with torch.autocast(x.device.type, enabled=False):   # in the weights' dtype, as fastmoe's kernels
-        x = x.to(w1.dtype)
-        hid = activation(grouped_matmul(x, w1.transpose(1, 2), counts) + b1.index_select(0, expert))  # (N, h)
-        return grouped_matmul(hid, w2.transpose(1, 2), counts) + b2.index_select(0, expert)           # (N, d)
+        return grouped_mlp(x.to(w1.dtype), counts, w1, b1, w2, b2, activation)
