@@ -125,13 +125,13 @@ def phases_labelled(pc: PhaseClock):
     """Wrap the MoE core's steps (the gate's three pieces, count/sort, scatter, experts, combine) and the dense
     MLP's forward in ``pc.labelled`` for the duration of the block."""
     from labutils.models import DenseMLP
-    from labutils.moe import layers
+    from labutils.moe import dispatch, layers
     from labutils.moe.gates import NoisyGate
 
     targets = [(NoisyGate, "noisy_logits", "router"), (NoisyGate, "top_k_choice", "top-k"),
                (NoisyGate, "balance_loss", "aux loss"), (layers, "check_gate_output", "sort/count"),
-               (layers, "count_by_gate", "sort/count"), (layers, "scatter", "scatter (gather rows)"),
-               (layers.FMoE, "expert_exchange", "experts"), (layers, "gather_combine", "combine"),
+               (dispatch, "count_by_gate", "sort/count"), (dispatch, "scatter", "scatter (gather rows)"),
+               (layers.FMoE, "expert_exchange", "experts"), (dispatch, "gather_combine", "combine"),
                (DenseMLP, "forward", "FFN (fc1, GELU, fc2)")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     for owner, name, phase in targets:

@@ -15,7 +15,7 @@ P = (SETUP, REF, REF_AUX, PARITY)            # section 8's parity check and the 
 MATCH = "match the reference"
 MODERN = "labutils/moe/modern/"
 ROUTERS, LAYER, LOSSES = MODERN + "routers.py", MODERN + "layer.py", MODERN + "losses.py"
-CAPACITY, AUX_FREE, EXPERTS = "labutils/moe/capacity.py", MODERN + "aux_free.py", MODERN + "experts.py"
+CAPACITY, AUX_FREE, BACKENDS = "labutils/moe/capacity.py", MODERN + "aux_free.py", "labutils/moe/backends.py"
 RUNNER, REPORT = "labbook/train_modern.py", "labbook/reports/ch09.py"
 
 FAULTS = [
@@ -26,7 +26,7 @@ FAULTS = [
           expect=MATCH, cells=P,
           library=(Edit(ROUTERS, "return idx, w.to(x.dtype), s", "return idx, w.detach().to(x.dtype), s"),)),
     Fault("the experts' input is detached (no gradient reaches x through the experts)", check=PARITY, expect=MATCH,
-          library=(Edit(LAYER, "xs = x2[tokens]  ", "xs = x2[tokens].detach()  "),), cells=P),
+          library=(Edit(LAYER, "y = dispatch([x2], idx,", "y = dispatch([x2.detach()], idx,"),), cells=P),
     Fault("expert choice's capacity rounds down: floor(cf T / E)", check=PARITY, expect=MATCH,
           library=(Edit(CAPACITY, "min(num_tokens, math.ceil(num_tokens * capacity_factor / num_experts))",
                         "min(num_tokens, math.floor(num_tokens * capacity_factor / num_experts))"),), cells=P),
@@ -41,8 +41,9 @@ FAULTS = [
     Fault("the z-loss squares the mean logsumexp instead of averaging the squares", check=PARITY, expect=MATCH,
           library=(Edit(LOSSES, "dim=-1).pow(2).mean()", "dim=-1).mean().pow(2)"),), cells=P),
     Fault("first and second choices dropped in token order (no first-choice priority)", check=PARITY, expect=MATCH,
-          library=(Edit(LAYER, "keep = (position_in_expert(idx, E) < capacity).reshape(-1)",
-                        "keep = (position_in_expert(idx.reshape(-1, 1), E) < capacity).reshape(-1)"),), cells=P),
+          library=(Edit(LAYER, "keep = position_in_expert(idx, E) < capacity",
+                        "keep = (position_in_expert(idx.reshape(-1, 1), E) < capacity).reshape(idx.shape)"),),
+          cells=P),
     # --- the other check cells ----------------------------------------------------------------------------------
     Fault("route_scale applied before route_norm (the weights sum to 1)", check=ROUTE,
           expect="the k weights sum to route_scale",
@@ -74,7 +75,7 @@ FAULTS = [
                         "min(num_tokens, math.floor(num_tokens * capacity_factor / num_experts))"),),
           cells=(SETUP, LEAK)),
     Fault("the grouped GEMM's row offsets in reverse expert order", check=GROUPED, expect="grouped GEMM",
-          library=(Edit(EXPERTS, "offs = torch.cumsum(counts.to(device=x.device), 0)",
+          library=(Edit(BACKENDS, "offs = torch.cumsum(counts.to(device=x.device), 0)",
                         "offs = torch.cumsum(counts.flip(0).to(device=x.device), 0)"),), cells=(SETUP, GROUPED)),
     Fault("the shared expert added on top of 8 routed ones", check=POOLS, expect="32d²",
           library=(Edit(RUNNER, "ModernMoE(d, 2 * d, 7, 1, n_shared=1,", "ModernMoE(d, 2 * d, 8, 1, n_shared=1,"),),
