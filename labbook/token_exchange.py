@@ -107,6 +107,18 @@ def _lab_layer(design, full, experts, d, h, k, rank, world):
     return part
 
 
+def all_reduce_together(grads: list) -> None:
+    """Sum ``grads`` over the ranks in ONE all_reduce (flattened, as DDP's buckets do): every design reduces its
+    replicated parameters' gradients with one collective per step, however many tensors its router has (the lab's
+    gate has a weight and a bias, DeepSpeed's a weight only)."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
 def _reference_lab(full, x_all, w_all):
     x = x_all.clone().requires_grad_()
     y = full(x)
@@ -123,15 +135,16 @@ def _step_lab(design, part, x, w, fault=None):
         y = _SumForwardIdentityBackward.apply(y)
     (y * w).sum().backward()
     grad_x = x.grad
-    for n, p in part.named_parameters():                                    # the replicated router: its gradient
-        if n.startswith("gate.") and fault != "router not summed":          # summed over the ranks (each saw
-            dist.all_reduce(p.grad)                                         # its tokens, or its experts' share)
+    if fault != "router not summed":                                        # the replicated router: its gradient
+        all_reduce_together([p.grad for n, p in part.named_parameters()    # summed over the ranks (each saw its
+                             if n.startswith("gate.")])                     # tokens, or its experts' share)
     if design == "all-reduce":
         dist.all_reduce(grad_x)                                             # replicated input: partials summed
     return y.detach(), grad_x
 
 
-def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
+def _setup_lab(design, experts, d, h, k, tokens, seed, fault=None):
+    """The layer of one lab design on this rank: ``(errors against one process, step, facts)``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     full = _full_layer(experts, d, h, k, seed)
     x_all, w_all = _batch(seed, world, tokens, d)
@@ -154,10 +167,11 @@ def _run_lab(design, experts, d, h, k, tokens, steps, seed, fault=None):
     with torch.no_grad():                                                   # the routing of this rank's tokens
         idx = full.gate(x_all[rank * tokens:(rank + 1) * tokens])[0]
     routed = torch.bincount(idx[idx >= 0].flatten(), minlength=experts).tolist()
-    return errors, {**_measure(step, steps), "tokens_without_output": 0, "choices_dropped": 0, "routed": routed}
+    return errors, step, {"tokens_without_output": 0, "choices_dropped": 0, "routed": routed}
 
 
-def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
+def _setup_ds(design, experts, d, h, k, tokens, seed, fault=None):
+    """The DeepSpeed layer of one design on this rank: ``(errors against one process, step, facts)``."""
     from labbook.toys.ch02_deepspeed import ep_layers
     from labutils.moe.capacity import deepspeed_capacity
 
@@ -175,11 +189,10 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
         xr = x.clone().requires_grad_()
         y, _, seen["counts"] = model(xr)                                     # counts: (E,) routed, before drops
         (y * w).sum().backward()
-        for n, p in model.named_parameters():
-            if p.grad is not None and (reduce_all or "deepspeed_experts" not in n) and not (
-                    fault == "router not summed" and not reduce_all):
-                dist.all_reduce(p.grad)                                     # router over ranks; ep_size=1's
-        return y.detach(), xr.grad                                          # experts too (each saw its tokens)
+        if not (fault == "router not summed" and not reduce_all):           # router over ranks; ep_size=1's
+            all_reduce_together([p.grad for n, p in model.named_parameters()  # experts too (each saw its tokens)
+                                 if p.grad is not None and (reduce_all or "deepspeed_experts" not in n)])
+        return y.detach(), xr.grad
 
     y_ref, gx_ref = run(full, True)
     g_ref = shard_for_rank({n: p.grad for n, p in full.named_parameters() if p.grad is not None}, sharded, rank)
@@ -190,8 +203,21 @@ def _run_ds(design, experts, d, h, k, tokens, steps, seed, fault=None):
     kept = int((y.abs().sum(1) > 0).sum())                                  # tokens with any expert output
     cap = deepspeed_capacity(tokens, experts, 1.0, k=k, min_capacity=0) if design == "ds drop" else tokens * k
     dropped = int((seen["counts"].long() - cap).clamp_min(0).sum())          # choices over capacity
-    return errors, {**_measure(lambda: run(sharded, False), steps), "tokens_without_output": tokens - kept,
-                    "choices_dropped": dropped, "routed": seen["counts"].long().tolist()}
+    return errors, lambda: run(sharded, False), {"tokens_without_output": tokens - kept, "choices_dropped": dropped,
+                                                 "routed": seen["counts"].long().tolist()}
+
+
+def _setup(design, experts, d, h, k, tokens, seed, fault=None):
+    world = dist.get_world_size()
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    if experts % world or experts // world < k:
+        raise ValueError(f"experts={experts} must be a multiple of the world size {world} with at least k={k} "
+                         "experts per rank")
+    setup = _setup_lab if design in ("fastmoe", "all-reduce") else _setup_ds
+    return setup(design, experts, d, h, k, tokens, seed, fault)
 
 
 def _measure(step, steps: int) -> dict:
@@ -218,15 +244,36 @@ def run_design(design: str, *, experts: int, d: int, h: int, k: int = 2, tokens:
     "sent_median", "seconds_median", "tokens_without_output", "choices_dropped", "routed"}`` (expert choices over the
     capacity, and tokens that lost every choice: the dropping design's cost in quality, not in bytes; ``routed``: this
     rank's tokens' choices per global expert, before any drop, from which a reader can work out the payload)."""
-    if design not in DESIGNS:
-        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
-    if fault not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
-    world = dist.get_world_size()
-    if experts % world or experts // world < k:
-        raise ValueError(f"experts={experts} must be a multiple of the world size {world} with at least k={k} "
-                         "experts per rank")
-    runner = _run_lab if design in ("fastmoe", "all-reduce") else _run_ds
-    errors, measured = runner(design, experts, d, h, k, tokens, steps, seed, fault)
+    errors, step, facts = _setup(design, experts, d, h, k, tokens, seed, fault)
+    measured = {**_measure(step, steps), **facts}
     return {"errors": errors, **measured, "sent_median": statistics.median(measured["sent"]),
             "seconds_median": statistics.median(measured["seconds"])}
+
+
+def time_paired(designs: tuple = ("fastmoe", "ds drop"), *, experts: int, d: int, h: int, k: int = 2,
+                tokens: int = 64, rounds: int = 8, steps: int = 5, seed: int = 0) -> dict:
+    """On every rank of a gloo launch: the step times of two designs, interleaved so that each round's pair of
+    blocks shares the machine's conditions (the load of other processes, the cores' clocks). Round ``i`` runs one
+    untimed step and ``steps`` timed steps (each started together, at a barrier) of each design, the first design
+    first in even rounds, second in odd ones. Returns ``{design: [[seconds of each step] for each round],
+    "errors": {design: its parity errors}}``; the bench takes the slowest rank per step and each block's median: a
+    pair of medians per round (``benchmarks/token_exchange.py``)."""
+    if len(designs) != 2 or len(set(designs)) != 2:
+        raise ValueError(f"time_paired compares two different designs, got {designs!r}")
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"rounds and steps must be >= 1, got rounds={rounds!r}, steps={steps!r}")
+    setups = {design: _setup(design, experts, d, h, k, tokens, seed) for design in designs}
+    out: dict = {design: [] for design in designs}
+    for i in range(rounds):
+        for design in (designs if i % 2 == 0 else designs[::-1]):
+            step = setups[design][1]
+            step()                                                          # untimed: the other design ran last
+            seconds = []
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                seconds.append(time.perf_counter() - t0)
+            out[design].append(seconds)
+    out["errors"] = {design: setups[design][0] for design in designs}
+    return out

@@ -18,6 +18,7 @@ from torch import nn
 from labutils.agreement import gather_rows
 from labutils.moe import FMoE, FMoETransformerMLP, NaiveGate
 from labutils.moe.expert_parallel import (
+    COUNT_SLOTS,
     ExpertParallelMismatch,
     assign_layer_ids,
     check_agreement,
@@ -518,37 +519,110 @@ def test_shard_state_renumbers_bare_list_entries():
                                                                                           "moe.experts.0": 2.0}
 
 
+COLLECTIVES = ("all_gather", "all_to_all_single", "all_gather_object", "all_reduce", "broadcast", "barrier",
+               "all_gather_into_tensor", "all_to_all", "reduce_scatter", "gather", "scatter")
+
+
 def _count(monkeypatch):
+    """Every torch.distributed collective rank 0 calls, as (name, elements it sends), in order."""
     calls = []
-    for name in ("all_gather", "all_to_all_single", "all_gather_object"):
+    for name in COLLECTIVES:
         real = getattr(dist, name)
 
         def wrapper(*args, _real=real, _name=name, **kwargs):
             if dist.get_rank() == 0:
-                calls.append(_name)
+                sent = args[1] if _name in ("all_gather", "all_to_all_single") else None
+                calls.append((_name, sent.numel() if torch.is_tensor(sent) else None))
             return _real(*args, **kwargs)
         monkeypatch.setattr(dist, name, wrapper)
     return calls
 
 
-def _exchange_calls(check):
+def _exchange_calls(check, ne=1, backward=False):
     rank = dist.get_rank()
-    layer = Tagger(1)
-    x = torch.full((2, D), rank + 1.0)
+    layer = Tagger(ne)
+    x = torch.full((2, D), rank + 1.0, requires_grad=backward)
+    counts = torch.zeros(2 * ne, dtype=torch.long)
+    counts[[0, ne]] = 1                                                # one row to each rank's first expert
     kwargs = {} if check is None else {"check": check}
-    return exchange_and_run(layer, x, torch.tensor([1, 1]), **kwargs)[:, 0].tolist()
+    y = exchange_and_run(layer, x, counts, **kwargs)
+    if backward:
+        y.sum().backward()
+    return y[:, 0].tolist()
+
+
+CHECKED = ("all_to_all_single", 2 * (9 + COUNT_SLOTS))                # fingerprint + counts to each of 2 ranks
+ROWS = ("all_to_all_single", 2 * D)                                    # one row of D to each rank
 
 
 @pytest.mark.parametrize("check, want", [
-    (None, ["all_gather", "all_to_all_single", "all_to_all_single", "all_to_all_single"]),   # checked by default
-    (True, ["all_gather", "all_to_all_single", "all_to_all_single", "all_to_all_single"]),
-    (False, ["all_to_all_single", "all_to_all_single", "all_to_all_single"]),               # counts, rows, back
+    (None, [CHECKED, ROWS, ROWS]),                                     # checked by default: the check rides along
+    (True, [CHECKED, ROWS, ROWS]),
+    (False, [("all_to_all_single", 2), ROWS, ROWS]),                   # the bare counts (W*E), rows, back
 ])
-def test_the_exchange_costs_one_small_gather_and_three_all_to_alls(monkeypatch, check, want):
+def test_the_exchange_costs_three_all_to_alls_checked_or_not(monkeypatch, check, want):
     calls = _count(monkeypatch)
     # rank r's row for expert g comes back times g + 1
     assert run_ranks(_exchange_calls, 2, check) == [[1.0, 2.0], [2.0, 4.0]]
     assert calls == want
+
+
+def test_the_backward_costs_two_all_to_alls(monkeypatch):
+    calls = _count(monkeypatch)
+    run_ranks(_exchange_calls, 2, True, 1, True)
+    assert calls == [CHECKED, ROWS, ROWS, ROWS, ROWS]
+
+
+def test_more_experts_than_count_slots_send_the_counts_after_the_check(monkeypatch):
+    calls = _count(monkeypatch)
+    ne = COUNT_SLOTS + 1                                               # expert 0 of rank r multiplies by r*ne + 1
+    assert run_ranks(_exchange_calls, 2, True, ne) == [[1.0, ne + 1.0], [2.0, 2.0 * (ne + 1)]]
+    assert calls == [CHECKED, ("all_to_all_single", 2 * ne), ROWS, ROWS]
+
+
+def _separate_check_then_counts():
+    """The exchange as it was: check_agreement's all_gather, then the counts (what the counter must tell apart)."""
+    from labutils.moe.capacity import exchange_counts
+
+    layer = Tagger(1)
+    x, counts = torch.zeros(2, D), torch.tensor([1, 1])
+    check_agreement(layer, x, counts)
+    return exchange_counts(counts, 2).tolist()
+
+
+def test_the_counter_sees_a_separate_agreement_gather(monkeypatch):
+    """Negative control of the counts above: the old two-collective check is seen as two collectives."""
+    calls = _count(monkeypatch)
+    assert run_ranks(_separate_check_then_counts, 2) == [[1, 1]] * 2
+    assert calls == [("all_gather", 9), ("all_to_all_single", 2)]
+
+
+def _disagree_in_the_exchange(case):
+    rank = dist.get_rank()
+    ne = 2 if case == "num_expert" and rank == 1 else 1
+    layer = Tagger(ne, lid=5 if case == "layer id" and rank == 1 else 0)
+    if case == "big":                                                  # too many experts for the slots on rank 1
+        ne = COUNT_SLOTS + 1 if rank == 1 else 1
+        layer = Tagger(ne)
+    counts = torch.zeros(2 * ne, dtype=torch.long)
+    counts[0] = 2
+    if case == "counts length" and rank == 0:
+        counts = torch.tensor([2, 0, 0])
+    return caught(lambda: exchange_and_run(layer, torch.zeros(2, D), counts))
+
+
+@pytest.mark.parametrize("case, line, hint", [
+    ("num_expert", "num_expert: rank 0=1, rank 1=2\n  counts length: rank 0=2, rank 1=4", ""),
+    ("big", f"num_expert: rank 0=1, rank 1={COUNT_SLOTS + 1}\n  counts length: rank 0=2, rank 1={2 * COUNT_SLOTS + 2}",
+     ""),
+    ("layer id", "layer id: rank 0=0, rank 1=5", SKIP),
+    ("counts length", "counts length: rank 0=3, rank 1=2", ""),
+])
+def test_the_exchange_raises_the_checks_messages_on_every_rank(case, line, hint):
+    """The check that rides on the counts says what check_agreement says, on every rank, before any row moves
+    (ranks whose counts would not fit each other's all_to_all included)."""
+    for rank, got in enumerate(run_ranks(_disagree_in_the_exchange, 2, case)):
+        assert got == ("ExpertParallelMismatch", HEAD.format(rank) + line + hint), (case, rank)
 
 
 def _layer_without_a_group():

@@ -43,3 +43,24 @@ def test_bad_input_is_refused_on_every_rank():
         launch(_bad, 2, "nccl-magic", 4, timeout=60)
     with pytest.raises(Exception, match="experts=3 must be a multiple of the world size 2"):
         launch(_bad, 2, "fastmoe", 3, timeout=60)
+
+
+def _paired():
+    return tx.time_paired(("fastmoe", "ds drop"), **{**KW, "steps": 2}, rounds=3)
+
+
+def test_time_paired_gives_each_design_a_block_of_steps_per_round_and_checks_parity():
+    for rank, res in enumerate(launch(_paired, 2, timeout=240)):
+        for design in ("fastmoe", "ds drop"):
+            assert [len(block) for block in res[design]] == [2, 2, 2], (rank, design)
+            assert all(s > 0 for block in res[design] for s in block)
+            assert max(res["errors"][design].values()) < 1e-5, (rank, design, res["errors"])
+
+
+def _paired_bad(designs):
+    return tx.time_paired(designs, **KW)
+
+
+def test_time_paired_refuses_anything_but_two_designs():
+    with pytest.raises(Exception, match="time_paired compares two different designs"):
+        launch(_paired_bad, 2, ("fastmoe", "fastmoe"), timeout=60)

@@ -104,10 +104,17 @@ def bench_token_exchange() -> str:
         f" (dropping {per[d]['choices_dropped']} of {choices} choices)" if per[d].get("choices_dropped") else "")
         for d in per if d != "fastmoe")
     err = max(max(p["max_error"].values()) for ws in rec["worlds"].values() for p in ws.values())
+    paired = rec.get("paired", {})
+    answer = {"ahead": "faster", "behind": "slower", "inconclusive": "inconclusive"}
+    timed = ("; step time of FastMoE's exchange against ds drop (paired rounds, Holm over W): " + ", ".join(
+        f"W = {x} {answer[paired[x]['verdict']]} ({paired[x]['diff_s'] * 1e3:+.1f} ms, 95% CI "
+        f"{paired[x]['ci_s'][0] * 1e3:+.1f} to {paired[x]['ci_s'][1] * 1e3:+.1f})" for x in worlds if x in paired)
+             if paired else "")
     return (f"every design equals one process (worst {err:.0e}); bytes per rank at W = {w} relative to FastMoE's "
             f"exchange: {ratios}; the all-reduce design's share grows with W "
             + "(" + ", ".join(f"{per_w['all-reduce']['sent_mean'] / per_w['fastmoe']['sent_mean']:.2f}x"
-                              for per_w in (rec['worlds'][x] for x in worlds)) + f" at W = {', '.join(worlds)})")
+                              for per_w in (rec['worlds'][x] for x in worlds)) + f" at W = {', '.join(worlds)})"
+            + timed)
 
 
 def _against(q1: float, q3: float, target: float) -> str:

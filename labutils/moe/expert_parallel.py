@@ -2,13 +2,19 @@
 
 FastMoE's recipe, in plain PyTorch collectives (gloo on CPU, NCCL on GPUs):
 
-    agree        one small all_gather: every rank is in the same layer, call, num_expert and d_model
-    counts       all_to_all of per-expert counts -> ``global_expert_count`` (what I will receive)
+    agree+counts ONE small all_to_all: to each rank, this rank's fingerprint (layer, call, num_expert, d_model,
+                 ...) and its per-expert counts for that rank's experts; every rank checks every fingerprint and
+                 reads ``global_expert_count`` (what I will receive) from the same message
     dispatch     all_to_all of exactly the routed rows (no capacity padding)
     local order  received rows are (source rank, local expert); make each local expert contiguous
     experts      ``layer.run_experts(x, counts_per_local_expert)``
     undo         inverse of the local order
     return       all_to_all back (the split sizes swap roles)
+
+Three collectives per forward call (agree+counts, dispatch, return; ``check=False``: the bare counts instead of
+the checked message), two in the backward. Each is an all_to_all: the check rides on the counts
+(:func:`check_agreement_and_exchange_counts`) rather than on an all_gather of its own, a round trip more, and a
+slow one on gloo (8 ranks on 2 cores: a 9-int64 all_gather 12 ms, an all_to_all of the same size 4 ms).
 
 Global expert ``g`` lives on rank ``g // num_expert`` as local expert ``g % num_expert``. Everything after the
 counts is differentiable (``labutils.collectives.all_to_all``'s backward is the reverse all-to-all). The dispatch
@@ -29,12 +35,17 @@ from ..collectives import all_to_all
 from .capacity import exchange_counts
 
 __all__ = ["exchange_and_run", "local_order", "to_experts", "from_experts", "check_agreement",
+           "check_agreement_and_exchange_counts", "COUNT_SLOTS",
            "assign_layer_ids", "layer_id", "ExpertParallelMismatch", "shard_state"]
 forward_moved(__name__)  # its re-exports' old addresses warn (labutils._deprecate)
 
 _MAGIC = 0x6D6F65  # "moe": tells our agreement gather apart from a stray all_gather of the same shape
 _FIELDS = ["check tag", "world size", "num_expert", "d_model", "layer id", "call number of this layer",
            "dtype", "grad enabled", "counts length"]
+# Count slots per peer in the checked exchange's message (fingerprint + counts). The message must have the same
+# length on every rank BEFORE the ranks know whether they agree (gloo aborts on a size mismatch), so it cannot
+# depend on num_expert; a layer with more experts per rank than this sends its counts in a second all_to_all.
+COUNT_SLOTS = 16
 
 
 class ExpertParallelMismatch(RuntimeError):
@@ -90,10 +101,17 @@ def check_agreement(layer, x_sorted, local_expert_count, group=None) -> None:
 
     Raises :class:`ExpertParallelMismatch` on EVERY rank (each sees every fingerprint) when they differ,
     naming the field and each rank's value, so the exchange never starts with mismatched shapes.
+    ``exchange_and_run`` sends the same fingerprint with its counts instead
+    (:func:`check_agreement_and_exchange_counts`): one collective where this and the counts are two.
     """
     world = dist.get_world_size(group)
     rows = gather_rows(_fingerprint(layer, x_sorted, local_expert_count, world), x_sorted, group,  # (W, fields)
                        check_length=False)
+    _raise_on_disagreement(rows, group)
+
+
+def _raise_on_disagreement(rows: torch.Tensor, group) -> None:
+    """The verdict of the check from every rank's fingerprint (``(W, len(_FIELDS))``), alike on every rank."""
     bad = disagreements(rows, _FIELDS, show={"dtype": dtype_name})                    # field -> its line
     if bad:
         hint = ""
@@ -104,6 +122,42 @@ def check_agreement(layer, x_sorted, local_expert_count, group=None) -> None:
         raise ExpertParallelMismatch("expert-parallel ranks disagree before the all-to-all "
                                      f"(rank {dist.get_rank(group)} speaking):\n"
                                      + "\n".join("  " + line for line in bad.values()) + hint)
+
+
+def check_agreement_and_exchange_counts(layer, x_sorted, local_expert_count, group=None) -> torch.Tensor:
+    """:func:`check_agreement` and ``capacity.exchange_counts`` in ONE all_to_all: returns ``global_expert_count``
+    ``(W*E,)`` (block ``s``: rows rank ``s`` sends to my experts), or raises :class:`ExpertParallelMismatch` on
+    every rank, with the messages of :func:`check_agreement`, before any row moves.
+
+    Rank ``s`` sends rank ``r`` its fingerprint (``len(_FIELDS)`` int64, the same to every peer) and its counts for
+    ``r``'s experts in :data:`COUNT_SLOTS` slots: ``W * (9 + COUNT_SLOTS)`` int64 each way, a length every rank
+    knows before they agree. So rank ``r`` holds every rank's fingerprint, as the all_gather gave it, and its
+    column block of the counts. Counts that do not fit the layout (not ``W * num_expert`` of them: the fingerprint
+    says so) travel as zeros; with more than ``COUNT_SLOTS`` experts per rank the ranks, once agreed, exchange the
+    counts in a second all_to_all (``capacity.exchange_counts``).
+    """
+    world = dist.get_world_size(group)
+    ne = int(layer.num_expert)
+    fields = _fingerprint(layer, x_sorted, local_expert_count, world)
+    send = torch.zeros(world, len(fields) + COUNT_SLOTS, dtype=torch.long, device=x_sorted.device)  # (W, 9 + S)
+    send[:, :len(fields)] = torch.tensor(fields, dtype=torch.long)
+    fits = local_expert_count.numel() == world * ne and ne <= COUNT_SLOTS
+    if fits:
+        send[:, len(fields):len(fields) + ne] = local_expert_count.to(send.device, torch.long).view(world, ne)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)                         # row s: rank s's fingerprint + counts
+    rows = recv.cpu()
+    _raise_on_disagreement(rows[:, :len(fields)], group)
+    _check_counts(local_expert_count, world, ne, x_sorted)                  # this rank's own counts
+    if ne > COUNT_SLOTS:                                                     # the same answer on every rank
+        return exchange_counts(local_expert_count.long(), world, group)
+    return recv[:, len(fields):len(fields) + ne].reshape(-1).to(local_expert_count.device)
+
+
+def _check_counts(local_expert_count, world: int, ne: int, x_sorted) -> None:
+    if local_expert_count.numel() != world * ne or int(local_expert_count.sum()) != x_sorted.shape[0]:
+        raise ValueError(f"local_expert_count must have world_size*num_expert={world * ne} entries summing to "
+                         f"the {x_sorted.shape[0]} rows of x_sorted; got {local_expert_count.tolist()}")
 
 
 # ---- counts and local order (the counts exchange itself is capacity.exchange_counts) -----------------
@@ -124,13 +178,23 @@ def _splits(local_expert_count, global_expert_count, group) -> tuple:
     return world, *(c.long().view(world, -1).sum(1).tolist() for c in (local_expert_count, global_expert_count))
 
 
+def _to_experts(x_sorted, send: list, recv: list, global_expert_count, num_expert: int, group):
+    x_recv = all_to_all(x_sorted, recv, send, group, check=False)             # (N_recv, d) by (src, expert)
+    perm = local_order(global_expert_count, num_expert).to(x_recv.device)
+    return x_recv.index_select(0, perm), perm                                 # (N_recv, d) by expert
+
+
+def _from_experts(y_local, send: list, recv: list, perm, group):
+    y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
+    return all_to_all(y_recv, send, recv, group, check=False)                 # (N, d) in x_sorted's order
+
+
 def to_experts(x_sorted: torch.Tensor, local_expert_count, global_expert_count, group=None):
     """Rows sorted by GLOBAL expert -> the rows this rank's experts run, ordered (local expert, source rank):
-    ``(N, ...) -> (N_recv, ...)``, and the local-order permutation used. Differentiable (all_to_all back)."""
+    ``(N, ...) -> (N_recv, ...)``, and the local-order permutation used. Differentiable (all_to_all back).
+    One all_to_all: its split sizes come from the counts (no size exchange)."""
     world, send, recv = _splits(local_expert_count, global_expert_count, group)
-    x_recv = all_to_all(x_sorted, recv, send, group, check=False)             # (N_recv, d) by (src, expert)
-    perm = local_order(global_expert_count, local_expert_count.numel() // world).to(x_recv.device)
-    return x_recv.index_select(0, perm), perm                                 # (N_recv, d) by expert
+    return _to_experts(x_sorted, send, recv, global_expert_count, local_expert_count.numel() // world, group)
 
 
 def from_experts(y_local: torch.Tensor, local_expert_count, global_expert_count, group=None, perm=None):
@@ -139,8 +203,7 @@ def from_experts(y_local: torch.Tensor, local_expert_count, global_expert_count,
     world, send, recv = _splits(local_expert_count, global_expert_count, group)
     if perm is None:
         perm = local_order(global_expert_count, local_expert_count.numel() // world).to(y_local.device)
-    y_recv = y_local.index_select(0, torch.argsort(perm))                     # back to (src, expert)
-    return all_to_all(y_recv, send, recv, group, check=False)                 # (N, d) in x_sorted's order
+    return _from_experts(y_local, send, recv, perm, group)
 
 
 def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Tensor, *, check: bool = True,
@@ -149,25 +212,26 @@ def exchange_and_run(layer, x_sorted: torch.Tensor, local_expert_count: torch.Te
 
     ``local_expert_count``: ``(world_size*num_expert,)`` rows this rank routes to each global expert.
     Every rank of ``layer.moe_group`` must call this for the same layer in the same order (0 rows is fine).
-    ``check=False`` skips the agreement all_gather (one tiny collective per call). ``run(x, counts)`` replaces
+    The agreement check travels with the counts (:func:`check_agreement_and_exchange_counts`): three collectives
+    per forward call, checked or not; ``check=False`` exchanges the bare counts (``W*E`` int64 instead of
+    ``W*(9 + COUNT_SLOTS)``). ``run(x, counts)`` replaces
     ``layer.run_experts`` (``FMoE`` passes one that unpacks a tree of inputs sent as one tensor).
     """
     group = getattr(layer, "moe_group", None)
     require_process_group(group, what="expert-parallel exchange")
     world, ne = dist.get_world_size(group), int(layer.num_expert)
-    if check:
-        check_agreement(layer, x_sorted, local_expert_count, group)
-    if local_expert_count.numel() != world * ne or int(local_expert_count.sum()) != x_sorted.shape[0]:
-        raise ValueError(f"local_expert_count must have world_size*num_expert={world * ne} entries summing to "
-                         f"the {x_sorted.shape[0]} rows of x_sorted; got {local_expert_count.tolist()}")
-    global_expert_count = exchange_counts(local_expert_count.long(), world, group)  # (W*E,)
-    x_local, perm = to_experts(x_sorted, local_expert_count, global_expert_count, group)  # (N_recv, d)
+    if check:                                                                 # checks the counts too
+        global_expert_count = check_agreement_and_exchange_counts(layer, x_sorted, local_expert_count, group)
+    else:
+        _check_counts(local_expert_count, world, ne, x_sorted)
+        global_expert_count = exchange_counts(local_expert_count.long(), world, group)  # (W*E,)
+    _, send, recv = _splits(local_expert_count, global_expert_count, group)
+    x_local, perm = _to_experts(x_sorted, send, recv, global_expert_count, ne, group)  # (N_recv, d)
     fwd_expert_count = global_expert_count.view(world, ne).sum(0)             # (E,) rows per local expert
     run = layer.run_experts if run is None else run
     y_local = run(x_local, fwd_expert_count)                                  # (N_recv, d) by expert
-    _, send, recv = _splits(local_expert_count, global_expert_count, group)
     _record(layer, send, recv, x_sorted)
-    return from_experts(y_local, local_expert_count, global_expert_count, group, perm)  # (N, d)
+    return _from_experts(y_local, send, recv, perm, group)                   # (N, d)
 
 
 def _record(layer, send, recv, x) -> None:

@@ -190,14 +190,19 @@ def plot_token_matrix(matrix: torch.Tensor, title: str = "rows sent, rank -> ran
 
 # ---- on the wire -------------------------------------------------------------------------------------
 def _control_collectives(world: int, num_expert: int, d_model: int, dtype, group) -> None:
-    """What the exchange may send besides rows, done by hand with the same shapes: the agreement all-gather
-    (9 int64), the counts all-to-all (W*E int64), and the dispatch and return all-to-alls with no rows."""
+    """What the exchange may send besides rows, done by hand with the same shapes: the checked counts all-to-all
+    (``W * (9 + COUNT_SLOTS)`` int64: fingerprint and counts, ``expert_parallel.check_agreement_and_exchange_counts``),
+    the bare counts all-to-all (``W*E`` int64) only when ``E`` exceeds ``COUNT_SLOTS``, and the dispatch and
+    return all-to-alls with no rows."""
     import torch.distributed as dist
 
-    finger = torch.zeros(9, dtype=torch.long)
-    dist.all_gather([torch.empty_like(finger) for _ in range(world)], finger, group=group)
-    counts = torch.zeros(world * num_expert, dtype=torch.long)
-    dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
+    from .expert_parallel import _FIELDS, COUNT_SLOTS
+
+    checked = torch.zeros(world * (len(_FIELDS) + COUNT_SLOTS), dtype=torch.long)
+    dist.all_to_all_single(torch.empty_like(checked), checked, group=group)
+    if num_expert > COUNT_SLOTS:
+        counts = torch.zeros(world * num_expert, dtype=torch.long)
+        dist.all_to_all_single(torch.empty_like(counts), counts, group=group)
     rows = torch.zeros(0, d_model, dtype=dtype)
     for _ in range(2):
         dist.all_to_all_single(torch.empty_like(rows), rows, [0] * world, [0] * world, group=group)
@@ -206,8 +211,8 @@ def _control_collectives(world: int, num_expert: int, d_model: int, dtype, group
 def wire_bytes_of_call(layer, x: torch.Tensor, repeats: int = 5) -> dict:
     """Inside a rank (every rank calls it): TCP bytes this rank sends during one forward call of ``layer`` on
     ``x`` (``"call"``), on ``x[:0]`` (``"fixed"``: the same collectives with no rows), and during the
-    control collectives the design allows, done by hand with the same shapes (``"control"``: agreement
-    all-gather, counts all-to-all, two row all-to-alls with no rows). Each is the smallest of ``repeats``
+    control collectives the design allows, done by hand with the same shapes (``"control"``: the checked
+    counts all-to-all, two row all-to-alls with no rows). Each is the smallest of ``repeats``
     counts (a stray message of another thread, e.g. the store's, can only add bytes).
     Runs under ``torch.no_grad``; barriers separate the counts. See :mod:`labutils.wire`."""
     import torch.distributed as dist
