@@ -320,3 +320,48 @@ def test_tiny_moe_expert_parallel_equals_its_single_process_reference():
     torch.testing.assert_close(torch.cat([o[0] for o in out]), y.detach(), rtol=1e-5, atol=1e-6)
     for rank, (_, grad) in enumerate(out):
         torch.testing.assert_close(grad, ref.experts[rank].w1.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- pins for the dispatcher's small pieces (issue 38: each mutant of them is killed here) ------------------------
+def test_with_sink_gives_the_last_expert_every_unserved_row():
+    from labutils.moe.dispatch import with_sink
+    assert with_sink(torch.tensor([2, 0, 1]), 5).tolist() == [2, 0, 3]
+    assert with_sink(torch.tensor([1, 1]), 2).tolist() == [1, 1]               # nothing dropped: unchanged
+    assert with_sink(torch.tensor([0, 4, 0, 0]), 9).tolist() == [0, 4, 0, 5]
+
+
+def test_score_before_experts_keeps_the_input_dtype():
+    x = torch.randn(4, D, dtype=torch.bfloat16)
+    idx, w = torch.tensor([[0], [1], [0], [1]]), torch.rand(4, 1)          # float32 scores, bf16 rows
+    seen = []
+
+    def run(xs, counts):
+        seen.append(xs[0].dtype)
+        return [xs[0]]
+    y = dispatch([x], idx, w, run, num_expert=2, score_before_experts=True)[0]
+    assert seen == [torch.bfloat16] and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, x * w.to(torch.bfloat16))
+
+
+def test_expert_parallel_transport_checks_agreement_unless_told_not_to(monkeypatch):
+    import labutils.moe.expert_parallel as ep
+    from labutils.moe.dispatch import ExpertParallel
+    calls = []
+    monkeypatch.setattr(ep, "exchange_and_run", lambda layer, x, c, check, run: calls.append(check) or run(x, c))
+    x, counts = torch.randn(3, D), torch.tensor([3])
+    assert ExpertParallel(object())(x, counts, lambda a, c: a * 2).equal(x * 2)
+    ExpertParallel(object(), check=False)(x, counts, lambda a, c: a)
+    assert calls == [True, False]
+
+
+def test_loop_matmul_with_no_expert_gives_an_empty_output_of_the_right_width():
+    from labutils.moe.backends import loop_matmul
+    y = loop_matmul(torch.randn(0, 4), torch.randn(0, 4, 8), torch.zeros(0, dtype=torch.long))
+    assert y.shape == (0, 8) and y.dtype == torch.float32
+
+
+def test_grouped_matmul_without_the_op_says_which_backend_to_use(monkeypatch):
+    from labutils.moe.backends import grouped_matmul
+    monkeypatch.delattr(torch, "_grouped_mm")
+    with pytest.raises(RuntimeError, match=r"^torch .* has no torch\._grouped_mm; use the 'loop' backend$"):
+        grouped_matmul(torch.randn(2, 4), torch.randn(1, 4, 4), torch.tensor([2]))
