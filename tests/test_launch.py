@@ -171,6 +171,55 @@ def test_nccl_without_cuda_is_a_clear_error():
         launch(sum_ranks, 2, 1.0, backend="nccl")
 
 
+def _raise():
+    raise RuntimeError("no process started in this test")
+
+
+def _gpus(monkeypatch, n):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_nccl_with_fewer_gpus_than_ranks_is_refused_before_any_rank_starts(monkeypatch):
+    """Issue 40: on one GPU, `launch(fn, 2, backend="nccl")` failed in both ranks only once NCCL saw a duplicate
+    GPU. Now it is refused up front, naming both numbers, and no worker process starts."""
+    import labutils.launcher._run as run
+    started = []
+    monkeypatch.setattr(run.subprocess, "Popen", lambda *a, **k: started.append(a))  # how a launch starts ranks
+    _gpus(monkeypatch, 1)
+    with pytest.raises(ValueError, match=r"^launch\(world_size=2, backend='nccl'\) needs one GPU per rank: 2 ranks "
+                                        r"but torch\.cuda\.device_count\(\) = 1 GPU\(s\) visible; use "
+                                        r"backend='gloo' \(CPU\) or world_size <= 1$"):
+        launch(sum_ranks, 2, 1.0, backend="nccl", timeout=5)
+    assert not started
+    with pytest.raises(RuntimeError):                  # negative control: a gloo launch does reach Popen
+        monkeypatch.setattr(run.subprocess, "Popen", lambda *a, **k: started.append(a) or _raise())
+        launch(os.getpid, 2, backend="gloo", timeout=5)
+    assert len(started) == 1
+    _gpus(monkeypatch, 0)
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs; none is available here"):
+        launch(sum_ranks, 2, 1.0, backend="nccl", timeout=5)
+
+
+def test_the_gpu_count_check_passes_with_a_gpu_per_rank(monkeypatch):
+    """Negative control of the refusal: with 2 GPUs for 2 ranks `choose` lets NCCL through, and `auto` picks it."""
+    from labutils.launcher.backend import choose
+    _gpus(monkeypatch, 2)
+    assert choose("nccl", 2, threads=1) == ("nccl", 1) and choose("auto", 2, threads=1) == ("nccl", 1)
+    assert choose("auto", 3, threads=1) == ("gloo", 1)       # auto never asks for more GPUs than there are
+
+
+@pytest.mark.parametrize("gpus, want", [
+    (0, ("gloo", "cpu", "gloo on the CPU: no CUDA GPU visible (2 rank(s))")),
+    (1, ("gloo", "cpu", "gloo on the CPU: 1 CUDA GPU(s) visible, 2 rank(s) need 2")),
+    (2, ("nccl", "cuda", "NCCL on CUDA: 2 GPU(s) visible for 2 rank(s)")),
+])
+def test_gpu_or_cpu_says_which_and_why(monkeypatch, gpus, want):
+    from labutils.launcher.backend import gpu_or_cpu
+    _gpus(monkeypatch, gpus)
+    assert gpu_or_cpu(2) == want
+
+
 def nccl_sum():
     t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
     dist.all_reduce(t)

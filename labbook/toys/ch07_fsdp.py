@@ -14,6 +14,7 @@ from torch import nn
 
 from labbook.toys.ch07_ddp import ATOL, RTOL
 from labutils.compare import compare_models
+from labutils.launcher.backend import gpu_or_cpu
 
 
 class SimpleMLP(nn.Module):
@@ -178,8 +179,8 @@ def gloo_features(mesh):
             "reduce-scatter / all-gather in bfloat16": _try(bf16_collectives),
             "all_reduce with ReduceOp.AVG": _try(avg),
             "MixedPrecisionPolicy(param_dtype=torch.bfloat16)": _try(mixed_precision)}
-    rows["init_device_mesh('cuda', ...)"] = (_try(cuda_mesh) if torch.cuda.is_available()
-                                             else ("skipped", "no CUDA device on this machine"))
+    backend, _, why = gpu_or_cpu(world)         # a CUDA mesh of W ranks needs W GPUs, or NCCL's setup waits
+    rows["init_device_mesh('cuda', ...)"] = _try(cuda_mesh) if backend == "nccl" else ("skipped", why)
     return rows
 
 

@@ -32,4 +32,23 @@ def choose(backend: str, world_size: int, threads: int | None = None) -> tuple[s
 
         if not torch.cuda.is_available():
             raise RuntimeError("backend='nccl' needs CUDA GPUs; none is available here (use backend='gloo')")
+        gpus = torch.cuda.device_count()
+        if gpus < world_size:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only once they start
+            raise ValueError(f"launch(world_size={world_size}, backend='nccl') needs one GPU per rank: {world_size} "
+                             f"ranks but torch.cuda.device_count() = {gpus} GPU(s) visible; use backend='gloo' "
+                             f"(CPU) or world_size <= {gpus}")
     return backend, threads or threads_per_rank(world_size)
+
+
+def gpu_or_cpu(world_size: int) -> tuple[str, str, str]:
+    """``(backend, device type, why)`` for a chapter cell that would run ``world_size`` ranks on GPUs: NCCL on
+    CUDA when there is a GPU per rank, else gloo on the CPU, and a sentence saying which and why (print it).
+    Every CUDA cell of the book asks this first, so a machine with fewer GPUs than ranks runs the cell on the
+    CPU instead of waiting in NCCL's setup until the launch times out."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= world_size:
+        return "nccl", "cuda", f"NCCL on CUDA: {gpus} GPU(s) visible for {world_size} rank(s)"
+    return "gloo", "cpu", (f"gloo on the CPU: {gpus} CUDA GPU(s) visible, {world_size} rank(s) need {world_size}"
+                           if gpus else f"gloo on the CPU: no CUDA GPU visible ({world_size} rank(s))")
