@@ -61,3 +61,20 @@ def test_reference_moe_wants_ids_and_scores_together():
     layer = FMoE(d_model=2, top_k=1, expert=[lambda d: _CountedExpert(1.0)])
     with pytest.raises(ValueError, match="^" + re.escape(whole) + "$"):
         reference_moe(layer, torch.ones(1, 2), torch.zeros(1, 1, dtype=torch.long), None)
+
+
+def test_topk_gate_ties_go_to_the_lower_index_in_long_rows_too():
+    """32 equal logits: an unstable sort (CPU's for rows of 17 or more) would put index 16 first."""
+    idx, score = reference_topk_gate(torch.zeros(2, 32), 3)
+    assert idx.tolist() == [[0, 1, 2], [0, 1, 2]]
+    torch.testing.assert_close(score, torch.full((2, 3), 1 / 3))
+
+
+def test_reference_moe_takes_ids_of_any_shape_holding_k_per_token_even_with_no_tokens():
+    """gate ids and scores are reshaped to (T, k): top-1 ids may come as (T,), also when T is 0."""
+    layer = FMoE(d_model=2, top_k=1, expert=[lambda d: _CountedExpert(1.0), lambda d: _CountedExpert(10.0)])
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    y = reference_moe(layer, x, torch.tensor([1, 0]), torch.tensor([0.5, 2.0]))
+    assert y.tolist() == [[5.0, 10.0], [6.0, 8.0]]
+    empty = reference_moe(layer, torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    assert empty.shape == (0, 2)

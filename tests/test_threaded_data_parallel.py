@@ -716,3 +716,26 @@ def test_fastmoe_wrapper_checks_over_its_world_group():
 def test_fastmoe_wrapper_leaves_frozen_and_unused_parameters_alone():
     assert run_ranks(_dgdp_case, 2, "frozen and unused") == [
         ("ok", {"d": 1.5, "frozen": 7.0, "unused": None}), ("ok", {"d": 1.5, "frozen": 8.0, "unused": None})]
+
+
+# ---- argument errors, raised before any collective (pins found by mutation testing, labutils/data_parallel.py) ----
+def test_fastmoe_wrapper_refuses_auto_allreduce_and_a_keyword_that_is_not_a_group():
+    with pytest.raises(NotImplementedError) as err:
+        DistributedGroupedDataParallel(nn.Linear(2, 2), auto_allreduce=True)
+    assert str(err.value) == ("auto_allreduce=True: fastmoe has not implemented it either; call "
+                              "model.allreduce_gradients() after backward()")
+    with pytest.raises(TypeError) as err:
+        DistributedGroupedDataParallel(nn.Linear(2, 2), dp_group=None, bucket_size=4)
+    assert str(err.value) == ("DistributedGroupedDataParallel got ['bucket_size']; its groups are keyword arguments "
+                              "ending in _group (dp_group=, mp_group=, gate_group=, moe_group=, world_group=)")
+
+
+def test_allreduce_grouped_grads_names_a_bad_expert_scale_and_itself_without_a_process_group(monkeypatch):
+    with pytest.raises(ValueError) as err:
+        allreduce_grouped_grads(nn.Linear(2, 2), expert_scale="avg")
+    assert str(err.value) == "expert_scale must be 'mean' or 'sum', not 'avg'"
+    # torch.distributed not initialised (patched, so the test does not depend on what ran before it)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^allreduce_grouped_grads needs a process group, but torch.distributed "
+                                           r"is not initialised"):
+        allreduce_grouped_grads(nn.Linear(2, 2))

@@ -75,3 +75,40 @@ def test_exchange_packed_sends_one_tensor_and_unpacks_what_the_experts_return():
     assert counts == [3] and torch.equal(tree["a"], x["a"]) and torch.equal(tree["b"], x["b"])
     assert [t.shape for t in out] == [(3, 1), (3, 3)]
     assert out[0].view(-1).tolist() == [0, 100, 200] and out[1].tolist() == [[1] * 3, [5] * 3, [9] * 3]
+
+
+def test_exchange_packed_packs_along_the_last_dim_whatever_the_row_shape():
+    """The packing is of the features, the LAST dim: rows that carry more dims, (N, S, d) leaves, are packed to
+    (N, S, sum d) and cut back there, not along dim 1 (which for the (N, d) leaves of FMoE is the same dim)."""
+    x = {"a": torch.arange(16.0).view(2, 4, 2), "b": -torch.arange(8.0).view(2, 4, 1)}     # S = 4, d = 2 and 1
+    leaves, spec = tree_flatten(x)
+    sent, seen = [], []
+
+    def exchange(packed, run):
+        sent.append(packed.clone())
+        return run(packed, torch.tensor([2]))
+
+    def experts(tree, counts):
+        seen.append(tree)
+        return [tree["b"] * 10, tree["a"].sum(-1, keepdim=True).repeat(1, 1, 3)]    # widths 1 and 3
+
+    out = exchange_packed(exchange, leaves, spec, experts)
+    assert len(sent) == 1 and torch.equal(sent[0], torch.cat([x["a"], x["b"]], -1))   # (2, 4, 3)
+    assert torch.equal(seen[0]["a"], x["a"]) and torch.equal(seen[0]["b"], x["b"])
+    assert [t.shape for t in out] == [(2, 4, 1), (2, 4, 3)]
+    assert torch.equal(out[0], x["b"] * 10)
+    assert out[1][1, 3].tolist() == [29.0] * 3                                         # 14 + 15
+
+
+def test_tree_cat_of_one_tree_is_that_tree():
+    """One expert, one piece (FMoE's expert_fn with num_expert=1 cats a list of one tree)."""
+    a, b = torch.arange(3.0), torch.ones(2)
+    back = tree_cat([Pair(a, b)])
+    assert isinstance(back, Pair) and torch.equal(back.a, a) and torch.equal(back.b, b)
+
+
+def test_unflatten_gives_each_of_three_siblings_its_own_leaf():
+    t = [torch.full((1,), float(i)) for i in range(4)]
+    leaves, spec = tree_flatten([t[0], t[1], (t[2],), t[3]])
+    back = tree_unflatten([x * 2 for x in leaves], spec)
+    assert [float(back[0]), float(back[1]), float(back[2][0]), float(back[3])] == [0.0, 2.0, 4.0, 6.0]
