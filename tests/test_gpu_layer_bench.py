@@ -4,7 +4,6 @@ layer at 0.5 of the grouped row's speed from one at 0.83; on a CUDA machine the 
 Chapter 08's loader returns None for a record nobody made."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from script_loader import load_script
 
 from labbook import records
 
@@ -25,11 +25,7 @@ ENTRY_KEYS = {"shape", "dtype", "flops_per_step", "lab_layer", "rows", "skipped"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_layer_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "gpu_layer_bench")
 
 
 def _run(*args, hide_gpu=False, timeout=120):

@@ -18,7 +18,6 @@ Executing every chapter's copy is the whole book (~4-5 min): ``python tools/stud
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import re
 import subprocess
@@ -26,11 +25,10 @@ import sys
 
 import nbformat
 import pytest
+from script_loader import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("student_tool", ROOT / "tools" / "student.py")
-student = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(student)
+student = load_script(ROOT / "tools" / "student.py", "student_tool")
 
 CHAPTERS = student.chapters()
 IDS = [p.stem for p in CHAPTERS]

@@ -4,10 +4,10 @@ step as DeepSpeed's?): the paired round medians take the slowest rank of each st
 controls: the same rounds with the arms swapped say "NO", noisy rounds say "inconclusive")."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+from script_loader import load_script
 
 from labutils.stats import holm, paired
 
@@ -16,11 +16,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "token_exc
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("token_exchange_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "token_exchange_bench")
 
 
 def test_paired_medians_take_the_slowest_rank_per_step_then_the_median_per_round(bench):
