@@ -203,12 +203,22 @@ def _group_size_check():
     sub = dist.new_group([1, 2])
     if dist.get_rank() == 0:
         return None
-    return caught(lambda: require_process_group(sub, 2)), caught(lambda: require_process_group(sub, 3, "x"))
+    return (caught(lambda: require_process_group(sub, 2)), caught(lambda: require_process_group(sub, 3, "x")),
+            caught(lambda: require_process_group(sub, 3)))
 
 
 def test_require_process_group_counts_the_ranks_of_the_group_given():
     got = run_ranks(_group_size_check, 3)
-    assert got[1] == got[2] == (("ok", None), ("ValueError", "x: world_size=3, but the process group has 2 ranks"))
+    assert got[1] == got[2] == (("ok", None), ("ValueError", "x: world_size=3, but the process group has 2 ranks"),
+                                ("ValueError", "this collective: world_size=3, but the process group has 2 ranks"))
+
+
+def test_require_process_group_without_a_group_names_what_needs_it():
+    assert not dist.is_initialized()
+    assert caught(require_process_group) == (
+        "RuntimeError", "this collective needs a process group, but torch.distributed is not initialised: run it "
+        "inside labutils.launch(...) workers, or call torch.distributed.init_process_group first")
+    assert caught(lambda: require_process_group(what="gather_rows"))[1].startswith("gather_rows needs a process")
 
 
 # ---- check_gather and check_all_to_all, called directly ------------------------------------------------------
