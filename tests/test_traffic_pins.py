@@ -148,6 +148,8 @@ def test_wire_payload_is_rows_out_plus_rows_back():
     # off-diagonal row sums [2, 10, 1] + column sums [4, 3, 6], x 8 bytes
     exact(wire_payload(MATRIX, 8), [48, 104, 56])
     exact(wire_payload(torch.tensor(MATRIX), torch.tensor(2)), [12, 26, 14])
+    got = wire_payload([[1.0, 2.5], [3.9, 4.0]], 10)   # counts are whole rows: floats truncate to int64
+    assert got.dtype == torch.int64 and got.tolist() == [50, 50]
 
 
 def test_check_wire_returns_the_bytes_beyond_the_fixed_cost():
@@ -238,6 +240,34 @@ def test_wire_bytes_of_call_counts_each_run_between_barriers_and_keeps_the_small
         with pytest.raises(ValueError) as e:
             wire_bytes_of_call(Layer(), x, repeats=bad)
         assert str(e.value) == f"wire_bytes_of_call: repeats must be >= 1, got {bad!r}"
+
+
+def test_wire_bytes_of_call_uses_the_default_group_without_moe_group_and_the_rows_last_dim(monkeypatch):
+    group, events = fake_dist(monkeypatch, 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2 if g is None else 99)
+
+    class Counter:
+        sent = 1
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(wire, "count_wire", lambda: Counter())
+    monkeypatch.setattr(traffic, "_control_collectives", lambda *a: events.append(("control", a)))
+
+    class Bare:   # no moe_group attribute: the default group
+        num_expert = 3
+
+        def __call__(self, x):
+            pass
+
+    x = torch.zeros(2, 4, 7)   # (B, T, d): the row width is the last dim
+    assert wire_bytes_of_call(Bare(), x, repeats=1) == {"control": 1, "fixed": 1, "call": 1}
+    assert ("control", (2, 3, 7, torch.float32, None)) in events
+    assert ("barrier", None) in events
 
 
 # -- plots ---------------------------------------------------------------------------------------------------
