@@ -67,5 +67,11 @@ def _level(where: str, level) -> None:
 def _mean_sd(xs: list) -> tuple:
     n = len(xs)
     m = sum(xs) / n if n else float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
-    return m, sd
+    if n < 2:
+        return m, float("nan")
+    s = max(abs(x - m) for x in xs)
+    if s == 0.0 or 1e-150 < s < 1e150:
+        return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    # deviations whose squares would underflow (1e-170: sd 0 for data that vary) or overflow (1e160: an
+    # OverflowError): the same sum, over deviations scaled by the largest one
+    return m, s * math.sqrt(sum(((x - m) / s) ** 2 for x in xs) / (n - 1))

@@ -148,6 +148,9 @@ def check_writable(path: str) -> None:
         raise CheckpointError(f"checkpoint={path!r}: the directory {folder!r} does not exist; create it first "
                               f"(os.makedirs({folder!r}, exist_ok=True))")
     probe = path + ".tmp"
+    if os.path.isdir(probe):  # the folder is writable, but the save's temporary file cannot be made
+        raise CheckpointError(f"checkpoint={path!r}: {probe!r} is a directory, and a save writes that file first "
+                              "(then renames it to the checkpoint); remove or rename that directory")
     try:
         with open(probe, "wb"):
             pass

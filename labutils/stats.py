@@ -51,7 +51,8 @@ def _no_spread(xs: list) -> bool:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A compared with B: ``diff = mean_a - mean_b`` with its 95% interval, the test and the verdict."""
+    """A compared with B: ``diff = mean_a - mean_b`` with its ``1 - alpha`` interval (95% by default), the test and
+    the verdict."""
     names: tuple
     n_a: int
     n_b: int
@@ -93,7 +94,8 @@ class Comparison:
                    else f" ({holm}p = {self.p:.3g} >= {self.alpha})")
         p_text = (f"p = {self.p:.3g} (Holm over {self.family} tests; unadjusted {self.p_raw:.3g})"
                   if self.family > 1 else f"p = {self.p:.3g}")
-        ci_text = "95% CI (unadjusted)" if self.family > 1 else "95% CI"
+        level = f"{100 * (1 - self.alpha):.10g}% CI"                     # 95% for alpha = 0.05
+        ci_text = f"{level} (unadjusted)" if self.family > 1 else level
         tested = "" if math.isnan(self.p) else (f", {ci_text} [{f.format(self.ci[0])}, {f.format(self.ci[1])}], "
                                                  f"{self.test} t = {self.t:.2f}, {p_text}")
         stats = (f"{f.format(self.mean_a)} vs {f.format(self.mean_b)}{u} (difference {f.format(self.diff)}{tested}; "
@@ -152,7 +154,8 @@ def _no_test(names, a: list, b: list, diff: float, df: float, test: str, lower_i
 
 
 def welch(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float = 0.05, min_n: int = 3) -> Comparison:
-    """Welch's t-test of mean(a) vs mean(b) (independent samples, unequal variances), 95% CI of the difference.
+    """Welch's t-test of mean(a) vs mean(b) (independent samples, unequal variances), the ``1 - alpha`` CI of the
+    difference (95% by default; the sentence names its level).
     An arm with fewer than two values cannot be tested: the verdict is inconclusive and p is nan.
 
     Zero spread in BOTH arms (every value of each arm the same, up to float rounding): with equal means the
@@ -172,10 +175,12 @@ def welch(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float 
         what = f"every value of a ({names[0]}) is {a[0]!r} and every value of b ({names[1]}) is {b[0]!r}"
         _zero_spread("welch", "in both arms", what, _no_spread(a + b), "runs whose values vary in at least one arm")
         return _no_test(names, a, b, ma - mb, float("inf"), "Welch", lower_is_better, alpha, min_n)
-    va, vb = sa * sa / len(a), sb * sb / len(b)
-    denom = (va * va / (len(a) - 1)) + (vb * vb / (len(b) - 1))
-    df = (va + vb) ** 2 / denom if denom else float("inf")
-    return _result(names, a, b, ma - mb, math.sqrt(va + vb), df, "Welch", lower_is_better, alpha, min_n)
+    # the two standard errors over the larger one, so that neither squares to 0 for tiny spreads (1e-170)
+    ea, eb = sa / math.sqrt(len(a)), sb / math.sqrt(len(b))
+    scale = max(ea, eb)                                                  # > 0: not both arms without spread
+    va, vb = (ea / scale) ** 2, (eb / scale) ** 2                        # in [0, 1], one of them 1
+    df = (va + vb) ** 2 / (va * va / (len(a) - 1) + vb * vb / (len(b) - 1))   # Welch-Satterthwaite
+    return _result(names, a, b, ma - mb, scale * math.sqrt(va + vb), df, "Welch", lower_is_better, alpha, min_n)
 
 
 def paired(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float = 0.05,
@@ -201,8 +206,10 @@ def paired(a, b, *, names=("A", "B"), lower_is_better: bool = True, alpha: float
                      "pairs whose differences vary")
         return _no_test(names, a, b, sum(diffs) / len(diffs), len(a) - 1, "paired", lower_is_better, alpha, min_n)
     md, sd = _mean_sd(diffs)
-    se = sd / math.sqrt(len(a)) if len(a) > 1 else float("nan")
-    return _result(names, a, b, md, se, len(a) - 1, "paired", lower_is_better, alpha, min_n)
+    if len(a) < 2:  # one pair (df 0) or none (df nan, not -1): nothing to test
+        return _result(names, a, b, md, float("nan"), float(len(a) - 1) if a else float("nan"), "paired",
+                       lower_is_better, alpha, min_n)
+    return _result(names, a, b, md, sd / math.sqrt(len(a)), len(a) - 1, "paired", lower_is_better, alpha, min_n)
 
 
 # --- a family of tests ------------------------------------------------------------------------------------------

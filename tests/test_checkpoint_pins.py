@@ -148,9 +148,10 @@ def test_check_writable_probes_path_dot_tmp(tmp_path):
     os.mkdir(path + ".tmp")  # what save_checkpoint writes first cannot be created: a directory is in the way
     with pytest.raises(CheckpointError) as err:
         check_writable(path)
-    assert str(err.value) == (f"checkpoint={path!r} cannot be written in {str(tmp_path)!r} (Is a directory); "
-                              "pick a writable directory (checked before the first step)")
-    assert isinstance(err.value.__cause__, IsADirectoryError)
+    assert str(err.value) == (f"checkpoint={path!r}: {path + '.tmp'!r} is a directory, and a save writes that "
+                              "file first (then renames it to the checkpoint); remove or rename that directory")
+    os.rmdir(path + ".tmp")
+    check_writable(path)     # the directory was all that was in the way
 
 
 def test_check_writable_without_strerror_shows_the_error_itself(tmp_path, monkeypatch):

@@ -156,3 +156,35 @@ def test_zero_spread_with_equal_values_returns_true_and_otherwise_raises_the_tex
             "f: zero spread in X: W; a t-test cannot tell whether that difference is real (it would read the zero "
             "spread as certainty, p = 0). Accepted: ACC; or compare the constant values directly") + "$"):
         stats._zero_spread("f", "in X", "W", False, "ACC")
+
+
+# ---- bugs the mutants pointed at (issue 38) --------------------------------------------------------------------
+@pytest.mark.parametrize("scale", [1.0, 1e-160, 1e-200, 1e150, 1e200])
+def test_welch_is_scale_free_down_to_spreads_whose_squares_underflow(scale):
+    # (1, 2, 3) vs (0, 0, 0): t = 2 / (1 / sqrt 3) = 2 sqrt 3, df = 2 (all the variance in the first arm), and
+    # at df 2 the two-sided p is 1 - t / sqrt(2 + t^2). At 1e-160 the variances (1e-320) used to underflow to a
+    # zero denominator: df = inf, p = nan and a reversed interval.
+    c = stats.welch([1 * scale, 2 * scale, 3 * scale], [0.0, 0.0, 0.0])
+    t = 2 * math.sqrt(3)
+    assert c.t == pytest.approx(t, rel=1e-12) and c.df == pytest.approx(2.0, rel=1e-12)
+    assert c.p == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
+    half = 4.302652729749464 * scale / math.sqrt(3)                      # t_0.975 at df 2 (scipy) x se
+    assert c.ci == pytest.approx((2 * scale - half, 2 * scale + half), rel=1e-9)
+    assert c.ci[0] < c.diff < c.ci[1]
+
+
+def test_the_sentence_names_the_intervals_level():
+    a, b = [1.0, 1.1, 0.9, 1.05], [1.3, 1.45, 1.2, 1.3]
+    assert "95% CI [" in stats.welch(a, b).sentence()
+    assert "99% CI [" in stats.welch(a, b, alpha=0.01).sentence()
+    assert "90% CI [" in stats.paired(a, b, alpha=0.1).sentence()
+    assert "99.9% CI [" in stats.welch(a, b, alpha=0.001).sentence()
+    wide, narrow = stats.welch(a, b, alpha=0.01).ci, stats.welch(a, b).ci
+    assert wide[0] < narrow[0] and narrow[1] < wide[1]                   # the 99% interval is the wider one
+
+
+def test_paired_with_no_pair_has_no_degrees_of_freedom():
+    c = stats.paired([], [])
+    assert math.isnan(c.df) and math.isnan(c.p) and c.verdict == "inconclusive"      # was df = -1
+    one = stats.paired([1.0], [0.5])
+    assert one.df == 0 and math.isnan(one.p) and one.verdict == "inconclusive"
