@@ -134,10 +134,13 @@ def main() -> int:
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"modules": {}}
     below = []
     for m in modules:
+        # the commit and source the scratch copy is made of (a commit landing during the run is not in it)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        source = subprocess.run(["git", "show", f"HEAD:{m}"], cwd=ROOT, capture_output=True, check=True).stdout
         result = mutate(m)
-        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                          text=True).stdout.strip()
-        result["source_sha"] = hashlib.sha256((ROOT / m).read_bytes()).hexdigest()[:16]
+        result["commit"] = commit
+        result["source_sha"] = hashlib.sha256(source).hexdigest()[:16]
         record["modules"][m] = result
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         mark = "" if result["score"] >= TARGET_SCORE or m not in TARGETS else "  BELOW TARGET"

@@ -214,12 +214,25 @@ def mutation() -> str:
     path = ROOT / "docs" / "mutation.json"
     if not path.exists():
         return "no module measured yet"
+    import hashlib
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from mutate import TARGETS
+
     rec = json.loads(path.read_text())
+
+    def changed(m: str, r: dict) -> str:  # the record is of other code than the module's source now
+        now = hashlib.sha256((ROOT / m).read_bytes()).hexdigest()[:16] if (ROOT / m).exists() else None
+        return ", code changed since" if r.get("source_sha") and now != r["source_sha"] else ""
+
     parts = [f"`{m.removeprefix('labutils/')}` {r['killed']}/{r['mutants'] - r['equivalent'] - r.get('gpu_only', 0)} "
              f"killed ({100 * r['score']:.1f}%, {r['equivalent']} equivalent"
-             + (f", {r['gpu_only']} GPU-only" if r.get("gpu_only") else "") + f"; commit {r['commit']})"
+             + (f", {r['gpu_only']} GPU-only" if r.get("gpu_only") else "") + f"; commit {r['commit']}"
+             + changed(m, r) + ")"
              for m, r in sorted(rec["modules"].items())]
-    return f"measured so far (target {100 * rec.get('target_score', 0.95):.0f}% per module): " + "; ".join(parts)
+    missing = [m.removeprefix("labutils/") for m in TARGETS if m not in rec["modules"]]
+    return (f"measured so far (target {100 * rec.get('target_score', 0.95):.0f}% per module): " + "; ".join(parts)
+            + (f". Not measured yet: {', '.join(f'`{m}`' for m in missing)}" if missing else ""))
 
 
 GENERATORS = {"faults": faults, "mutation": mutation,
