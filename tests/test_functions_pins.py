@@ -65,3 +65,61 @@ def test_scores_without_a_gradient_give_none_for_them():
     out = gather_combine(y, torch.arange(4), torch.full((2, 2), 0.5))
     out.sum().backward()
     assert y.grad is not None and y.grad.tolist() == [[0.5, 0.5]] * 4
+
+
+def test_counts_list_reads_a_sequence_element_by_element():
+    """x_counts_list__mutmut_2, 4: a list or tuple (no .tolist()) gives Python ints."""
+    from labutils.moe.functions import counts_list
+    out = counts_list((2.0, torch.tensor(0), 3))
+    assert out == [2, 0, 3] and all(type(c) is int for c in out)
+    assert counts_list(torch.tensor([1, 4])) == [1, 4]
+
+
+def test_count_by_gate_keeps_token_order_within_an_expert():
+    """x_count_by_gate__mutmut_1 (world_size default), 40, 41: argsort without stable=True reorders equal keys
+    (CPU, 100 choices)."""
+    from labutils.moe.functions import count_by_gate
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(-1, 4, (50, 2), generator=gen)
+    flat = idx.reshape(-1).tolist()
+    want = [i for e in range(4) for i in range(len(flat)) if flat[i] == e]
+    pos, counts = count_by_gate(idx, 2, world_size=2)
+    assert pos.tolist() == want
+    assert counts.tolist() == [flat.count(e) for e in range(4)]
+    pos_all, counts_all = count_by_gate(idx, 4, keep_dropped=True)                # world_size 1 by default
+    assert pos_all.tolist() == want + [i for i in range(len(flat)) if flat[i] == -1]
+    assert counts_all.tolist() == [flat.count(e) for e in range(4)]
+
+
+@pytest.mark.parametrize(("num_expert", "world_size", "text"), [
+    (0, 1, "count_by_gate: num_expert must be an int >= 1, got 0"),
+    (2, 0, "count_by_gate: world_size must be an int >= 1, got 0"),
+    (2, True, "count_by_gate: world_size must be an int >= 1, got True")])
+def test_count_by_gate_names_the_bad_size(num_expert, world_size, text):
+    """x__tot_expert__mutmut_3..10: each size's name in the message."""
+    import re
+
+    from labutils.moe.functions import count_by_gate
+    with pytest.raises(ValueError, match="^" + re.escape(text) + "$"):
+        count_by_gate(torch.zeros(2, 1, dtype=torch.long), num_expert, world_size)
+
+
+def test_the_inverse_permutation_is_made_on_pos_device():
+    """xǁMOEGatherǁforward__mutmut_13, 15, xǁMOEGatherCombineǁforward__mutmut_16, 18: the arange of the inverse
+    permutation without device=pos.device is made on the CPU; on the meta device (no data, any machine)
+    index_copy_ then refuses to mix devices, as it would on a GPU."""
+    from labutils.moe.functions import gather
+    y = torch.empty(4, 3, device="meta")
+    pos = torch.tensor([2, 0, 3, 1]).to("meta")
+    out = gather(y, pos, 4)
+    assert out.device.type == "meta" and out.shape == (4, 3)
+    out = gather_combine(y, pos, torch.empty(2, 2, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 3)
+
+
+@pytest.mark.parametrize("tot_expert", [0, True])
+def test_no_expert_is_refused_even_for_an_empty_batch(tot_expert):
+    """x_check_expert_ids__mutmut_3 (0 passes when `not Integral and < 1`), 4 (True passes when `bool and ...`)."""
+    with pytest.raises(ValueError, match=rf"^gate_top_k_idx: num_expert \* world_size = {tot_expert!r}: there is no "
+                                         r"expert to route to; num_expert and world_size must each be an int >= 1$"):
+        check_expert_ids(torch.zeros(0, dtype=torch.long), tot_expert)

@@ -63,3 +63,42 @@ def test_frozen_experts_still_pass_gradients_to_the_input():
     assert layer.weight.grad is None
     want = torch.cat([layer.weight[0].sum(0).expand(2, 4), layer.weight[1].sum(0).expand(3, 4)])
     torch.testing.assert_close(x.grad, want)
+
+
+def test_the_count_message_names_the_rows_not_the_features():
+    """xǁMOELinearǁforward__mutmut_8: x.shape[1] in the message (a square buffer hid it)."""
+    with pytest.raises(ValueError, match=r"^expert counts sum to 3 but the buffer has 4 rows$"):
+        MOELinear.apply(torch.zeros(4, 6), [1, 2], torch.zeros(2, 3, 6), None)
+
+
+def test_no_bias_forward_and_backward_against_a_loop():
+    """xǁMOELinearǁforward__mutmut_16..22, 40..46 (the bias-free torch.mm path) and backward's grad_x/grad_w without
+    a bias: expert 0 takes rows 0-1, expert 1 none, expert 2 rows 2-4; values against a row-by-row loop."""
+    torch.manual_seed(0)
+    layer = FMoELinear(3, 4, 2, bias=False)
+    x = torch.randn(5, 4, requires_grad=True)
+    counts = [2, 0, 3]
+    y = layer(x, counts)
+    experts = [0, 0, 2, 2, 2]
+    want = torch.stack([layer.weight[e] @ x[i] for i, e in enumerate(experts)])
+    torch.testing.assert_close(y, want)
+    g = torch.randn(5, 2)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, torch.stack([layer.weight[e].t() @ g[i] for i, e in enumerate(experts)]))
+    want_w = torch.zeros(3, 2, 4)
+    for i, e in enumerate(experts):
+        want_w[e] += torch.outer(g[i], x[i].detach())
+    torch.testing.assert_close(layer.weight.grad, want_w)
+
+
+def test_an_input_without_gradient_still_trains_the_weights():
+    """xǁMOELinearǁbackward__mutmut_53: grad_x is None when x needs none (split of None)."""
+    layer = FMoELinear(2, 3, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[[1.0, 2.0, 3.0]], [[4.0, 5.0, 6.0]]]))
+    x = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    y = layer(x, [1, 2])
+    assert y.tolist() == [[1.0], [5.0], [15.0]]
+    y.sum().backward()
+    assert layer.weight.grad.tolist() == [[[1.0, 0.0, 0.0]], [[1.0, 2.0, 1.0]]]
+    assert layer.bias.grad.tolist() == [[1.0], [2.0]]
