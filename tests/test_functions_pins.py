@@ -123,3 +123,30 @@ def test_no_expert_is_refused_even_for_an_empty_batch(tot_expert):
     with pytest.raises(ValueError, match=rf"^gate_top_k_idx: num_expert \* world_size = {tot_expert!r}: there is no "
                                          r"expert to route to; num_expert and world_size must each be an int >= 1$"):
         check_expert_ids(torch.zeros(0, dtype=torch.long), tot_expert)
+
+
+def test_check_expert_ids_on_the_device_path_stops_with_its_own_message():
+    """check_expert_ids' device-path message (torch._assert_async raises it on the CPU), an id equal to
+    tot_expert refused on both paths, and the dtype error's full text with the error type asked for."""
+    from labutils.moe.device_path import device_path
+
+    with device_path():
+        for bad in (3, -2):
+            with pytest.raises(RuntimeError) as err:
+                check_expert_ids(torch.tensor([0, bad]), 3)
+            assert str(err.value) == "gate_top_k_idx: an expert id is outside -1..2 (num_expert * world_size - 1)"
+        with pytest.raises(RuntimeError) as err:
+            check_expert_ids(torch.tensor([[4]]), 4, name="idx")
+        assert str(err.value) == "idx: an expert id is outside -1..3 (num_expert * world_size - 1)"
+        check_expert_ids(torch.tensor([-1, 0, 2]), 3)                    # the bounds pass
+    with pytest.raises(ValueError) as err:
+        check_expert_ids(torch.tensor([0, 3]), 3)
+    assert str(err.value) == ("gate_top_k_idx holds expert ids in [0, 3]; expected -1 (dropped) or 0..2 "
+                              "(num_expert * world_size - 1)")
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(TypeError) as err:
+            check_expert_ids(torch.tensor([1], dtype=dtype), 3, name="ids", dtype_error=TypeError)
+        assert str(err.value) == f"ids must hold integer expert ids, got dtype {dtype}"
+    with pytest.raises(ValueError) as err:
+        check_expert_ids(torch.tensor([1.0]), 3)
+    assert str(err.value) == "gate_top_k_idx must hold integer expert ids, got dtype torch.float32"
