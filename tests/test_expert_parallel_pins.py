@@ -19,8 +19,9 @@ D = 3
 
 @pytest.fixture(autouse=True)
 def _no_group_left():
+    before = dist.is_initialized()   # a group an earlier test left is not this test's
     yield
-    assert dist.is_initialized() is False, "a test left a process group initialised"
+    assert before or dist.is_initialized() is False, "this test left a process group initialised"
 
 
 class Scaler:

@@ -75,8 +75,9 @@ def runs(monkeypatch):
     FakeRun.made = []
     monkeypatch.setattr(launcher, "_Run", FakeRun)
     monkeypatch.setattr(launch_backend, "threads_per_rank", lambda world_size: 100 + world_size)
+    before = dist.is_available() and dist.is_initialized()   # a group an earlier test left is not this test's
     yield FakeRun.made
-    assert not (dist.is_available() and dist.is_initialized()), "a test left a process group initialised"
+    assert before or not (dist.is_available() and dist.is_initialized()), "this test left a process group initialised"
 
 
 def _message(excinfo) -> str:
