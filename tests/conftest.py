@@ -24,6 +24,7 @@ def _restore_rendezvous_env():
 MODULE_MARKS = {
     "test_launch": "dist", "test_dist": "dist", "test_moe_parallel": "dist", "test_data_parallel": "dist",
     "test_deepspeed_helpers": "dist", "test_bad_input_launch": "dist", "test_portable_copy": "dist",
+    "test_fastmoe_dist": "dist",
     "test_launch_notebook": "kernel", "test_student": "kernel",
     "test_browser": "browser",
 }

@@ -35,6 +35,7 @@ def _side_channels():
     return out
 
 
+@pytest.mark.dist
 def test_count_wire_sees_the_store_and_a_group_made_inside_the_block():
     for rank, out in enumerate(launch(_side_channels, 2, timeout=90)):
         sent, store, closed, settled = out["plain"]
@@ -67,6 +68,7 @@ def _repeat_counts(n):
     return out
 
 
+@pytest.mark.dist
 def test_count_wire_settles_without_losing_a_byte():
     """count_wire stops re-reading once a re-read finds the counters unchanged while no other thread of the rank runs
     (not after a fixed quiet 50 ms): every one of 20 counts of the same collective, ended right after it as chapter
