@@ -169,7 +169,8 @@ def test_welch_is_scale_free_down_to_spreads_whose_squares_underflow(scale):
     assert c.t == pytest.approx(t, rel=1e-12) and c.df == pytest.approx(2.0, rel=1e-12)
     assert c.p == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
     half = 4.302652729749464 * scale / math.sqrt(3)                      # t_0.975 at df 2 (scipy) x se
-    assert c.ci == pytest.approx((2 * scale - half, 2 * scale + half), rel=1e-9)
+    assert c.ci == pytest.approx((2 * scale - half, 2 * scale + half), rel=1e-9, abs=0)  # abs=0: approx's
+    # default abs=1e-12 would pass any interval at 1e-160
     assert c.ci[0] < c.diff < c.ci[1]
 
 
@@ -188,3 +189,39 @@ def test_paired_with_no_pair_has_no_degrees_of_freedom():
     assert math.isnan(c.df) and math.isnan(c.p) and c.verdict == "inconclusive"      # was df = -1
     one = stats.paired([1.0], [0.5])
     assert one.df == 0 and math.isnan(one.p) and one.verdict == "inconclusive"
+
+
+# ---- _mean_sd's two paths (issue 38: survivors of the scale fix) ------------------------------------------------
+def _exact_sd(xs: list) -> float:
+    """The sample sd in 60-digit decimals (their exponent range holds 1e-320 as well as 1e400)."""
+    import decimal
+
+    with decimal.localcontext(decimal.Context(prec=60, Emin=-9999, Emax=9999)):
+        d = [decimal.Decimal(x) for x in xs]                                  # each float exactly
+        m = sum(d) / len(d)
+        return float((sum((x - m) ** 2 for x in d) / (len(d) - 1)).sqrt())
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e-160, 1e-200, 1e150, 1e200])
+def test_mean_sd_is_the_sample_sd_at_every_scale(scale):
+    xs = [v * scale for v in (1.0, 2.0, 4.0, 8.0)]                           # deviations of unequal size
+    m, sd = stats._mean_sd(xs)
+    assert m == pytest.approx(3.75 * scale, rel=1e-15, abs=0)     # abs=0: no absolute slack at 1e-200
+    assert sd == pytest.approx(_exact_sd(xs), rel=1e-12, abs=0) and sd > 0
+
+
+def test_mean_sd_scales_by_the_spread_not_by_the_values():
+    # values near 1e-150 (in range) that spread by ~2e-160 (out of range): the spread is what decides. Squared
+    # directly, the deviations (~1e-320) are subnormals with a few digits left: 8e-5 off the exact sd, against 8e-13
+    # for the scaled sum (the float mean, half an ulp of 1e-150 off, bounds both)
+    xs = [1e-150 + k * 3e-161 for k in (1, 2, 4, 8)]
+    sd = stats._mean_sd(xs)[1]
+    assert sd == pytest.approx(_exact_sd(xs), rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("xs", [[0.1, 0.2, 0.4], [0.013, 0.017, 0.011, 0.019], [1.5, 2.25, 3.125],
+                                [0.3, 0.30000000000000004, 0.29999999999999993], [120.0, 80.5, 99.25, 101.0]])
+def test_mean_sd_of_ordinary_data_is_the_direct_formula_bit_for_bit(xs):
+    # the scaled sum is kept for spreads outside 1e-150..1e150: ordinary data give the sd they gave before it
+    m = sum(xs) / len(xs)
+    assert stats._mean_sd(xs) == (m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)))
