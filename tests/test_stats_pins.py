@@ -189,6 +189,9 @@ def test_paired_with_no_pair_has_no_degrees_of_freedom():
     assert math.isnan(c.df) and math.isnan(c.p) and c.verdict == "inconclusive"      # was df = -1
     one = stats.paired([1.0], [0.5])
     assert one.df == 0 and math.isnan(one.p) and one.verdict == "inconclusive"
+    for c in (stats.paired([1.0], [0.5], alpha=0.01, min_n=5), stats.paired([], [], alpha=0.01, min_n=5)):
+        assert (c.alpha, c.min_n) == (0.01, 5), c                           # the settings asked for, kept
+        assert "fewer than 5 seeds in an arm" in c.sentence()
 
 
 # ---- _mean_sd's two paths (issue 38: survivors of the scale fix) ------------------------------------------------
