@@ -281,3 +281,18 @@ def test_capacity_factors_takes_a_number_or_a_pair_of_numbers_only(capacity):
                                               f"got {capacity!r}")):
         capacity_factors(capacity, "Gate")
     assert capacity_factors([1, 2.5], "Gate") == (1.0, 2.5)
+
+
+def test_the_small_capacity_warning_asks_for_stacklevel_3(monkeypatch):
+    """x_warn_small_capacity__mutmut_10: the frame test above reads the line named in the normal layout; under
+    mutmut a trampoline adds frames, so here the argument itself is read (3: past warn_small_capacity and the
+    gate's capacity_per_expert, to the line that asked for the capacity)."""
+    import types
+
+    import labutils.moe.capacity as capacity
+
+    calls = []
+    monkeypatch.setitem(vars(capacity), "warnings",
+                        types.SimpleNamespace(warn=lambda message, **kw: calls.append((message, kw))))
+    GShardGate(4, 8, capacity=(0.1, 0.1)).capacity_per_expert(1)
+    assert [kw for _, kw in calls] == [{"stacklevel": 3}]
