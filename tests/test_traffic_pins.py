@@ -350,3 +350,27 @@ def test_plot_token_matrix_writes_each_count_and_frames_the_diagonal():
     assert list(ax.get_xticks()) == [0, 1, 2] and list(ax.get_yticks()) == [0, 1, 2]
     assert ax.get_title() == "rows sent, rank -> rank" and ax.title.get_fontsize() == 10
     assert plot_token_matrix([[0, 5], [1, 2]], title="T").axes[0].get_title() == "T"
+
+
+def test_plot_token_matrix_keeps_its_title_size_and_a_thin_colorbar_under_any_style(monkeypatch):
+    """x_plot_token_matrix__mutmut_98 (title size from the style), 107/108 (the colorbar's share of the width):
+    the title stays 10 pt whatever the style's sizes, and the colorbar takes 4.6% of the heatmap's width (the
+    fraction that keeps a small heatmap readable; matplotlib's default is 15%)."""
+    import matplotlib.figure
+
+    real = matplotlib.figure.Figure.colorbar
+    asked = []
+
+    def colorbar(self, mappable, **kw):
+        asked.append(kw.get("fraction", "default"))
+        return real(self, mappable, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "colorbar", colorbar)
+    with plt.rc_context({"font.size": 7, "axes.titlesize": 20}):
+        fig = plot_token_matrix(torch.tensor([[1, 2], [3, 4]]))
+    ax, bar = fig.axes
+    assert ax.title.get_fontsize() == 10 and ax.texts[0].get_fontsize() == 8
+    assert asked == [0.046]
+    # the colorbar sits right of the heatmap, as tall as it, and narrower than a tenth of it
+    h, b = ax.get_position(), bar.get_position()
+    assert b.x0 > h.x1 and b.height == pytest.approx(h.height) and b.width < 0.1 * h.width
