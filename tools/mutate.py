@@ -11,7 +11,8 @@ surviving mutants' names; tools/mutation_equivalent.json lists the mutants revie
 reason. An entry with ``"kind": "gpu-only"`` is a mutant that changes only where a tensor lives (``device=``): on
 this CPU-only run it cannot differ; it is left out of the score like an equivalent one but counted apart
 (``gpu_only``), and the CUDA tests are what would catch it. The copy is of the last commit (git archive HEAD).
-Exit status 1 when a module of TARGETS is below TARGET_SCORE.
+Exit status 1 when a module of TARGETS is below TARGET_SCORE. ``--rescore MODULE...`` re-counts a recorded run
+after a review, without running anything (refused when the module's source changed since).
 """
 from __future__ import annotations
 
@@ -120,10 +121,33 @@ def mutate(module: str) -> dict:
             "survivors": survived, "seconds": round(took)}
 
 
+def rescore(module: str, record: dict) -> dict:
+    """The recorded run of ``module`` with the reviewed list as it is now: survivors since reviewed as equivalent
+    (or GPU-only) leave the score's denominator. Nothing is re-run, so a survivor a new test kills stays a survivor
+    until the next run; refused when the module's source is not the one the record was made of (mutant names
+    are numbered per function and would point at other mutants)."""
+    r = dict(record["modules"][module])
+    now = hashlib.sha256((ROOT / module).read_bytes()).hexdigest()[:16]
+    if r.get("source_sha") != now:
+        raise SystemExit(f"--rescore {module}: its source changed since the recorded run (commit {r.get('commit')}); "
+                         "run it again instead")
+    entries = equivalent_entries()
+    reviewed = [n for n in r["survivors"] if n in entries]
+    r["survivors"] = [n for n in r["survivors"] if n not in entries]
+    r["gpu_only"] = r.get("gpu_only", 0) + sum(entries[n].get("kind") == "gpu-only" for n in reviewed)
+    r["equivalent"] += sum(entries[n].get("kind") != "gpu-only" for n in reviewed)
+    counted = r["mutants"] - r["equivalent"] - r["gpu_only"]
+    r["score"] = round(r["killed"] / counted, 4) if counted else 1.0
+    r["rescored"] = len(reviewed) + r.get("rescored", 0)
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("modules", nargs="*")
     ap.add_argument("--all", action="store_true", help=f"every module of TARGETS ({len(TARGETS)})")
+    ap.add_argument("--rescore", action="store_true",
+                    help="re-count the recorded runs of the modules given with the reviewed list as it is now")
     args = ap.parse_args()
     modules = TARGETS if args.all else args.modules
     if not modules:
@@ -132,6 +156,15 @@ def main() -> int:
         if not (ROOT / m).is_file() or not m.startswith("labutils/") or not m.endswith(".py"):
             ap.error(f"module must be a .py file under labutils/, got {m!r}")
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {"modules": {}}
+    if args.rescore:
+        for m in modules:
+            if m not in record["modules"]:
+                ap.error(f"--rescore: no recorded run of {m}")
+            record["modules"][m] = r = rescore(m, record)
+            print(f"{m:<36} {r['killed']} killed ({100 * r['score']:.1f}%), {len(r['survivors'])} survive "
+                  f"({r['rescored']} reviewed since the run)")
+        RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        return 0
     below = []
     for m in modules:
         # the commit and source the scratch copy is made of (a commit landing during the run is not in it)
@@ -141,6 +174,8 @@ def main() -> int:
         result = mutate(m)
         result["commit"] = commit
         result["source_sha"] = hashlib.sha256(source).hexdigest()[:16]
+        # re-read before writing: another run (or a --rescore) may have recorded other modules meanwhile
+        record = json.loads(RECORD.read_text()) if RECORD.exists() else {"modules": {}}
         record["modules"][m] = result
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         mark = "" if result["score"] >= TARGET_SCORE or m not in TARGETS else "  BELOW TARGET"
