@@ -122,3 +122,39 @@ def test_local_order_takes_counts_of_any_dtype():
     # blocks (src 0: e0 2 rows, e1 1 row), (src 1: e0 1 row, e1 2 rows) -> e0: rows 0,1,3 then e1: rows 2,4,5
     got = local_order(torch.tensor([2.0, 1.0, 1.0, 2.0], dtype=torch.float64), 2)
     assert got.dtype == torch.long and got.tolist() == [0, 1, 3, 2, 4, 5]
+
+
+def test_the_exchange_without_a_process_group_names_itself(monkeypatch):
+    """x_exchange_and_run__mutmut_11..15: the message says what needed the group."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)            # as in a fresh process
+    with pytest.raises(RuntimeError, match=r"^expert-parallel exchange needs a process group, but torch\.distributed "
+                                           r"is not initialised"):
+        exchange_and_run(Scaler(1), torch.zeros(1, D), torch.tensor([1]))
+
+
+def _public_steps_over_a_subgroup():
+    """Group {0, 2} of a 3-rank world, 2 experts each. Group rank g sends row 0 (value g + 1) to global expert 0
+    (group rank 0's first) and row 1 (value 10 (g + 1)) to global expert 3 (group rank 1's second)."""
+    sub = dist.new_group([0, 2])
+    if dist.get_rank() == 1:
+        return None
+    g = dist.get_rank(sub)
+    x = torch.tensor([[g + 1.0] * D, [10.0 * (g + 1)] * D])               # (2, D) sorted by global expert
+    local = torch.tensor([1, 0, 0, 1])                                     # (W*E,) rows to each global expert
+    glob = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]][g])                   # rows from (src, my expert), by hand
+    x_local, perm = ep.to_experts(x, local, glob, group=sub)
+    y_local = x_local * (g * 2 + torch.tensor([[0.0], [1.0]])[g] + 1)      # my experts: global id + 1
+    back = ep.from_experts(y_local, local, glob, group=sub, perm=perm)
+    back_no_perm = ep.from_experts(y_local, local, glob, group=sub)
+    unchecked = exchange_and_run(Scaler(2, sub), x, local, check=False)
+    return [t[:, 0].tolist() for t in (x_local, back, back_no_perm, unchecked)] + [perm.tolist()]
+
+
+def test_the_public_steps_and_the_unchecked_exchange_use_the_layers_subgroup():
+    """x_to_experts__mutmut_4/20, x_from_experts__mutmut_4/20, x_exchange_and_run__mutmut_39/42: the split sizes,
+    both all-to-alls and the bare counts exchange over the group given, not the world (a world of 3 here)."""
+    got = run_ranks(_public_steps_over_a_subgroup, 3)
+    assert got[1] is None
+    # group rank 0 runs expert 0 (x1) on the two first rows; group rank 1 runs its expert 1 (x4) on the two others
+    assert got[0] == [[1.0, 2.0], [1.0, 40.0], [1.0, 40.0], [1.0, 40.0], [0, 1]]
+    assert got[2] == [[10.0, 20.0], [2.0, 80.0], [2.0, 80.0], [2.0, 80.0], [0, 1]]
