@@ -227,7 +227,9 @@ def mutation() -> str:
 
     parts = [f"`{m.removeprefix('labutils/')}` {r['killed']}/{r['mutants'] - r['equivalent'] - r.get('gpu_only', 0)} "
              f"killed ({100 * r['score']:.1f}%, {r['equivalent']} equivalent"
-             + (f", {r['gpu_only']} GPU-only" if r.get("gpu_only") else "") + f"; commit {r['commit']}"
+             + (f", {r['gpu_only']} GPU-only" if r.get("gpu_only") else "")
+             + (f", {r['rescored']} of them reviewed after the run" if r.get("rescored") else "")
+             + f"; commit {r['commit']}"
              + changed(m, r) + ")"
              for m, r in sorted(rec["modules"].items())]
     missing = [m.removeprefix("labutils/") for m in TARGETS if m not in rec["modules"]]
