@@ -41,32 +41,26 @@ def test_a_non_tensor_input_names_the_gate_and_the_type():
         check_gate_input(gate, [[1.0] * 4], 4)
 
 
-def test_a_wrong_shape_and_a_wrong_dtype_are_refused_in_full():
-    """x_check_gate_input__mutmut_12, 13, 17; NaiveGate top_k_logits__mutmut_1 (the gate passed as None)."""
-    gate = NaiveGate(4, 3)
-    with pytest.raises(ValueError, match=full("NaiveGate(d_model=4) got input of shape (2, 5); expected "
+@pytest.mark.parametrize("gate_cls", [NaiveGate, NoisyGate])
+def test_a_wrong_shape_and_a_wrong_dtype_are_refused_in_full(gate_cls):
+    """x_check_gate_input__mutmut_12, 13, 17; NaiveGate top_k_logits__mutmut_1 and NoisyGate noisy_logits__mutmut_1
+    (the gate passed as None: the message names no gate); NoisyGate's __init__ keeps d_model."""
+    gate, name = gate_cls(4, 3), gate_cls.__name__
+    with pytest.raises(ValueError, match=full(f"{name}(d_model=4) got input of shape (2, 5); expected "
                                               "(tokens, d_model=4)")):
         gate(torch.zeros(2, 5))
+    with pytest.raises(TypeError, match=full(f"{name} holds torch.float32 weights but got a torch.float64 input: "
+                                             "convert one of them (e.g. gate.to(torch.float32) or "
+                                             "x.to(torch.float32))")):
+        gate(torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_a_one_dimensional_input_is_refused_and_no_dtype_means_any_float():
+    gate = NaiveGate(4, 3)
     with pytest.raises(ValueError, match=full("NaiveGate(d_model=4) got input of shape (4,); expected "
                                               "(tokens, d_model=4)")):
         gate(torch.zeros(4))
-    with pytest.raises(TypeError, match=full("NaiveGate holds torch.float32 weights but got a torch.float64 input: "
-                                             "convert one of them (e.g. gate.to(torch.float32) or "
-                                             "x.to(torch.float32))")):
-        gate(torch.zeros(2, 4, dtype=torch.float64))
     check_gate_input(gate, torch.zeros(2, 4, dtype=torch.float64), 4)          # no dtype given: any float
-
-
-def test_noisy_gate_names_itself_in_its_input_errors():
-    """NoisyGate noisy_logits__mutmut_1 (check_gate_input(None, ...)), __init__ d_model kept."""
-    gate = NoisyGate(4, 3)
-    with pytest.raises(ValueError, match=full("NoisyGate(d_model=4) got input of shape (2, 3); expected "
-                                              "(tokens, d_model=4)")):
-        gate(torch.zeros(2, 3))
-    with pytest.raises(TypeError, match=full("NoisyGate holds torch.float32 weights but got a torch.float64 input: "
-                                             "convert one of them (e.g. gate.to(torch.float32) or "
-                                             "x.to(torch.float32))")):
-        gate(torch.zeros(2, 4, dtype=torch.float64))
 
 
 # -- router_logits ---------------------------------------------------------------------------------------------
